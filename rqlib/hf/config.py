@@ -1,0 +1,406 @@
+"""``CompressionConfig``: what the compressed cache does to each layer's keys and values.
+
+A config is a frozen dataclass; ``to_dict``/``from_dict`` round-trip it through JSON and
+:meth:`CompressionConfig.parse` reads the compact spec the eval command takes::
+
+    METHOD[:TOKEN]...        e.g.  turboquant-mse:k3:v4:sink1:win32:ctr
+
+METHOD is ``turboquant-mse``, ``turboquant-prod``, ``rotorquant-mse``, ``rotorquant-prod``, or
+``preset:NAME`` (a named config from :mod:`rqlib.presets`, optionally followed by tokens that
+override it). TOKENs (``name=value`` or the short form):
+
+=====================  ===================================================================
+``k3`` / ``k=3``       key bits (1..8; the ``-prod`` methods need >= 2), default 3
+``v4`` / ``v=4``       value bits (1..8); ``v=fp`` (default) keeps values in full precision
+``b3``                 both key and value bits
+``k0-1=4``, ``v29=5``  bits for a layer or an inclusive layer range (``v5=fp`` allowed)
+``sink1``              the first N tokens of the sequence kept exact (K and V)
+``win32``              a band of the W most recent tokens kept exact, relative to each query
+``exact=0,-1``         layers kept exact (negative counts from the end); ``exact=none``
+``ctr``                per-layer, per-KV-head key centering with a mean calibrated on pydoc
+``ko32`` / ``vo32``    outlier channels of K / V (chosen by calibration) at +1 bit;
+``out32``              both; ``obits=2`` changes the +1
+``nc``                 norm correction (MSE methods): store the least-squares scale
+``rot=hadamard``       rotation: dense, hadamard, rotor, none (default: by method)
+``qjl=orthogonal``     QJL sketch kind (``-prod`` only); ``m=128`` sketch size (m > d allowed)
+``law=gaussian``       Lloyd-Max codebook law passed to the quantizer
+``seed=7``             seed of rotations and sketches
+``calib=pydoc``        calibration corpus; ``ctok=2048`` its number of tokens
+=====================  ===================================================================
+
+Values always use the MSE quantizer of the method's family (``turboquant-mse`` or
+``rotorquant-mse``): an inner-product estimator is no use for a weighted sum of values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["METHODS", "ROTATIONS", "QJL_SKETCHES", "CompressionConfig"]
+
+METHODS = ("turboquant-mse", "turboquant-prod", "rotorquant-mse", "rotorquant-prod")
+ROTATIONS = ("dense", "hadamard", "rotor", "none")
+QJL_SKETCHES = ("gaussian", "orthogonal")
+CODEBOOK_LAWS = ("beta", "gaussian")
+MIN_BITS, MAX_BITS = 1, 8
+
+
+def _check_bits(name: str, bits: Any, *, allow_none: bool, minimum: int = MIN_BITS) -> None:
+    if bits is None and allow_none:
+        return
+    if isinstance(bits, bool) or not isinstance(bits, int) or not minimum <= bits <= MAX_BITS:
+        allowed = f"an int in {minimum}..{MAX_BITS}" + (" or None (full precision)" * allow_none)
+        raise ValueError(f"{name} must be {allowed}, got {bits!r}")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How keys and values are compressed; see the module docstring for the spec syntax.
+
+    Everything attention reads is compressed and then decompressed or estimated, in prefill
+    too, except what this config keeps exact: the first ``n_sink`` tokens, the
+    ``recent_window`` most recent tokens relative to each query (query ``i`` reads keys
+    ``i-W+1..i`` exactly) and the layers in ``exact_layers``.
+    """
+
+    method: str = "turboquant-mse"
+    key_bits: int = 3
+    value_bits: int | None = None
+    layer_key_bits: tuple[tuple[int, int], ...] = ()
+    layer_value_bits: tuple[tuple[int, int | None], ...] = ()
+    rotation: str | None = None
+    qjl_sketch: str = "gaussian"
+    qjl_dim: int | None = None
+    codebook_law: str = "beta"
+    center_keys: bool = False
+    n_sink: int = 0
+    recent_window: int = 0
+    exact_layers: tuple[int, ...] = ()
+    key_outliers: int = 0
+    value_outliers: int = 0
+    outlier_extra_bits: int = 1
+    norm_correction: bool = False
+    seed: int = 0
+    calibration_corpus: str = "pydoc"
+    calibration_tokens: int = 2048
+    name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        key_minimum = 2 if self.is_prod else MIN_BITS
+        _check_bits("key_bits", self.key_bits, allow_none=False, minimum=key_minimum)
+        _check_bits("value_bits", self.value_bits, allow_none=True)
+        for layer, bits in self.layer_key_bits:
+            _check_count("layer index in layer_key_bits", layer)
+            _check_bits(f"key bits of layer {layer}", bits, allow_none=False, minimum=key_minimum)
+        for layer, bits in self.layer_value_bits:
+            _check_count("layer index in layer_value_bits", layer)
+            _check_bits(f"value bits of layer {layer}", bits, allow_none=True)
+        if self.rotation is not None and self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS} or None, got {self.rotation!r}")
+        if self.qjl_sketch not in QJL_SKETCHES:
+            raise ValueError(f"qjl_sketch must be one of {QJL_SKETCHES}, got {self.qjl_sketch!r}")
+        if self.qjl_dim is not None:
+            _check_count("qjl_dim", self.qjl_dim)
+            if self.qjl_dim == 0:
+                raise ValueError("qjl_dim must be >= 1 (or None for m = d)")
+            if not self.is_prod:
+                raise ValueError(f"qjl_dim applies to the -prod methods only, not {self.method}")
+        if self.codebook_law not in CODEBOOK_LAWS:
+            raise ValueError(
+                f"codebook_law must be one of {CODEBOOK_LAWS}, got {self.codebook_law!r}"
+            )
+        for name in ("n_sink", "recent_window", "key_outliers", "value_outliers", "seed"):
+            _check_count(name, getattr(self, name))
+        if self.outlier_extra_bits < 1:
+            raise ValueError(f"outlier_extra_bits must be >= 1, got {self.outlier_extra_bits!r}")
+        if self.key_outliers:
+            _check_bits(
+                "key bits of the outlier channels",
+                self.max_key_bits + self.outlier_extra_bits,
+                allow_none=False,
+            )
+        if self.value_outliers:
+            if self.value_bits is None and not self.layer_value_bits:
+                raise ValueError("value_outliers needs compressed values (value_bits is None)")
+            _check_bits(
+                "value bits of the outlier channels",
+                self.max_value_bits + self.outlier_extra_bits,
+                allow_none=False,
+            )
+        if not all(
+            isinstance(layer, int) and not isinstance(layer, bool) for layer in self.exact_layers
+        ):
+            raise ValueError(f"exact_layers must be ints, got {self.exact_layers!r}")
+        if self.norm_correction and self.is_prod:
+            raise ValueError(
+                "norm_correction rescales the MSE reconstruction, which would invalidate the QJL "
+                "residual of the -prod methods; use it with an -mse method"
+            )
+        if self.calibration_corpus == "wikitext-2":
+            raise ValueError("calibration must not use the evaluation corpus wikitext-2")
+        if self.calibration_tokens < 16:
+            raise ValueError(f"calibration_tokens must be >= 16, got {self.calibration_tokens!r}")
+
+    # ---- derived properties ------------------------------------------------------------------
+    @property
+    def is_prod(self) -> bool:
+        """Whether keys use an inner-product (MSE + QJL) quantizer."""
+        return self.method.endswith("-prod")
+
+    @property
+    def value_method(self) -> str:
+        """The MSE method of the same family, used for values."""
+        return self.method.rsplit("-", 1)[0] + "-mse"
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether :func:`rqlib.hf.compress` must run the calibration corpus first."""
+        return self.center_keys or self.key_outliers > 0 or self.value_outliers > 0
+
+    @property
+    def max_key_bits(self) -> int:
+        return max([self.key_bits] + [bits for _, bits in self.layer_key_bits])
+
+    @property
+    def max_value_bits(self) -> int:
+        bits = [self.value_bits] + [b for _, b in self.layer_value_bits]
+        return max(b for b in bits if b is not None)
+
+    def key_bits_of(self, layer: int) -> int:
+        """Key bits of ``layer`` (the per-layer override if any)."""
+        return dict(self.layer_key_bits).get(layer, self.key_bits)
+
+    def value_bits_of(self, layer: int) -> int | None:
+        """Value bits of ``layer``, ``None`` for full-precision values."""
+        return dict(self.layer_value_bits).get(layer, self.value_bits)
+
+    def exact_layer_set(self, n_layers: int) -> frozenset[int]:
+        """``exact_layers`` resolved against a model with ``n_layers`` layers."""
+        resolved = set()
+        for layer in self.exact_layers:
+            index = layer + n_layers if layer < 0 else layer
+            if not 0 <= index < n_layers:
+                raise ValueError(f"exact layer {layer} is out of range for {n_layers} layers")
+            resolved.add(index)
+        for layer, _ in self.layer_key_bits + self.layer_value_bits:
+            if layer >= n_layers:
+                raise ValueError(f"per-layer bits for layer {layer}, but the model has {n_layers}")
+        return frozenset(resolved)
+
+    @property
+    def label(self) -> str:
+        """The name given at parse time, else the canonical spec."""
+        return self.name or self.spec()
+
+    # ---- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists); :meth:`from_dict` inverts it."""
+        out = dataclasses.asdict(self)
+        for key, value in out.items():
+            if isinstance(value, tuple):
+                out[key] = [list(item) if isinstance(item, tuple) else item for item in value]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CompressionConfig:
+        """Build a config from :meth:`to_dict` output; unknown keys raise ``ValueError``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"unknown CompressionConfig fields {sorted(unknown)}; known {sorted(known)}"
+            )
+        kwargs = dict(data)
+        for key in ("layer_key_bits", "layer_value_bits"):
+            if key in kwargs:
+                kwargs[key] = tuple(tuple(item) for item in kwargs[key])
+        if "exact_layers" in kwargs:
+            kwargs["exact_layers"] = tuple(kwargs["exact_layers"])
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> CompressionConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> CompressionConfig:
+        """The named config of :mod:`rqlib.presets` (``ValueError`` for an unknown name)."""
+        from rqlib.presets import get_preset
+
+        return get_preset(name)
+
+    # ---- the compact spec ------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, spec: str) -> CompressionConfig:
+        """Parse ``METHOD[:TOKEN]...`` (see the module docstring); ``ValueError`` on anything else."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"a compression spec must be a non-empty string, got {spec!r}")
+        parts = [part.strip() for part in spec.strip().split(":")]
+        if parts[0] == "preset":
+            if len(parts) < 2:
+                raise ValueError("'preset' needs a name: preset:NAME[:TOKEN]...")
+            base = cls.preset(parts[1])
+            tokens = parts[2:]
+        else:
+            if parts[0] not in METHODS:
+                raise ValueError(
+                    f"unknown method {parts[0]!r} in spec {spec!r}; known: {METHODS} or preset:NAME"
+                )
+            base = None
+            tokens = parts[1:]
+        changes: dict[str, Any] = {} if base is not None else {"method": parts[0]}
+        layer_keys = dict(base.layer_key_bits) if base else {}
+        layer_values = dict(base.layer_value_bits) if base else {}
+        for token in tokens:
+            _apply_token(token, spec, changes, layer_keys, layer_values)
+        changes["layer_key_bits"] = tuple(sorted(layer_keys.items()))
+        changes["layer_value_bits"] = tuple(sorted(layer_values.items()))
+        changes["name"] = spec.strip()
+        if base is not None:
+            return base.replace(**changes)
+        return cls(**changes)
+
+    def spec(self) -> str:
+        """The canonical compact spec of this config (parses back to an equal config)."""
+        default = CompressionConfig(method=self.method)
+        tokens = [self.method, f"k{self.key_bits}"]
+        tokens.append("v=fp" if self.value_bits is None else f"v{self.value_bits}")
+        for layer, bits in self.layer_key_bits:
+            tokens.append(f"k{layer}={bits}")
+        for layer, bits in self.layer_value_bits:
+            tokens.append(f"v{layer}={'fp' if bits is None else bits}")
+        if self.n_sink:
+            tokens.append(f"sink{self.n_sink}")
+        if self.recent_window:
+            tokens.append(f"win{self.recent_window}")
+        if self.exact_layers:
+            tokens.append("exact=" + ",".join(str(layer) for layer in self.exact_layers))
+        if self.center_keys:
+            tokens.append("ctr")
+        if self.key_outliers:
+            tokens.append(f"ko{self.key_outliers}")
+        if self.value_outliers:
+            tokens.append(f"vo{self.value_outliers}")
+        if self.outlier_extra_bits != default.outlier_extra_bits:
+            tokens.append(f"obits={self.outlier_extra_bits}")
+        if self.norm_correction:
+            tokens.append("nc")
+        if self.rotation is not None:
+            tokens.append(f"rot={self.rotation}")
+        if self.qjl_sketch != default.qjl_sketch:
+            tokens.append(f"qjl={self.qjl_sketch}")
+        if self.qjl_dim is not None:
+            tokens.append(f"m={self.qjl_dim}")
+        if self.codebook_law != default.codebook_law:
+            tokens.append(f"law={self.codebook_law}")
+        if self.seed != default.seed:
+            tokens.append(f"seed={self.seed}")
+        if self.calibration_corpus != default.calibration_corpus:
+            tokens.append(f"calib={self.calibration_corpus}")
+        if self.calibration_tokens != default.calibration_tokens:
+            tokens.append(f"ctok={self.calibration_tokens}")
+        return ":".join(tokens)
+
+
+_SHORT = re.compile(r"^(k|v|b|sink|win|ko|vo|out)(\d+)$")
+_LAYER_BITS = re.compile(r"^([kv])(\d+)(?:-(\d+))?=(\d+|fp)$")
+_FLAGS = {"ctr": ("center_keys", True), "nc": ("norm_correction", True)}
+_KEYED = {
+    "k": "key_bits",
+    "v": "value_bits",
+    "sink": "n_sink",
+    "win": "recent_window",
+    "ko": "key_outliers",
+    "vo": "value_outliers",
+    "obits": "outlier_extra_bits",
+    "rot": "rotation",
+    "qjl": "qjl_sketch",
+    "m": "qjl_dim",
+    "law": "codebook_law",
+    "seed": "seed",
+    "calib": "calibration_corpus",
+    "ctok": "calibration_tokens",
+}
+_INT_FIELDS = {
+    "key_bits",
+    "n_sink",
+    "recent_window",
+    "key_outliers",
+    "value_outliers",
+    "outlier_extra_bits",
+    "qjl_dim",
+    "seed",
+    "calibration_tokens",
+}
+
+
+def _int(token: str, text: str, spec: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"token {token!r} in spec {spec!r} needs an integer, got {text!r}"
+        ) from None
+
+
+def _apply_token(
+    token: str,
+    spec: str,
+    changes: dict[str, Any],
+    layer_keys: dict[int, int],
+    layer_values: dict[int, int | None],
+) -> None:
+    """Fold one spec token into ``changes`` (or the per-layer bit tables)."""
+    if token in _FLAGS:
+        key, value = _FLAGS[token]
+        changes[key] = value
+        return
+    match = _SHORT.match(token)
+    if match:
+        name, number = match.group(1), int(match.group(2))
+        if name == "b":
+            changes["key_bits"] = changes["value_bits"] = number
+        elif name == "out":
+            changes["key_outliers"] = changes["value_outliers"] = number
+        else:
+            changes[_KEYED[name]] = number
+        return
+    match = _LAYER_BITS.match(token)
+    if match:
+        which, first, last, bits_text = match.groups()
+        last = last if last is not None else first
+        bits = None if bits_text == "fp" else int(bits_text)
+        if which == "k" and bits is None:
+            raise ValueError(f"token {token!r} in spec {spec!r}: keys cannot be 'fp' (use exact=)")
+        if int(last) < int(first):
+            raise ValueError(f"token {token!r} in spec {spec!r}: empty layer range")
+        for layer in range(int(first), int(last) + 1):
+            (layer_keys if which == "k" else layer_values)[layer] = bits
+        return
+    if "=" in token:
+        name, text = token.split("=", 1)
+        if name == "exact":
+            changes["exact_layers"] = (
+                () if text == "none" else tuple(_int(token, item, spec) for item in text.split(","))
+            )
+            return
+        if name == "v" and text == "fp":
+            changes["value_bits"] = None
+            return
+        if name in _KEYED:
+            key = _KEYED[name]
+            changes[key] = _int(token, text, spec) if key in _INT_FIELDS | {"value_bits"} else text
+            return
+    raise ValueError(
+        f"unknown token {token!r} in spec {spec!r}; see `python -m rqlib eval --help` for the syntax"
+    )

@@ -1,0 +1,228 @@
+"""Ahead-of-time compilation of every kernel specialization the dispatcher can pick.
+
+No GPU is needed: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs
+the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, and a cubin from the ptxas bundled with
+triton). Registers and spills come from ``cuobjdump --dump-resource-usage`` on the cubin (the
+compiled metadata only gets ``n_regs`` when a kernel is loaded on a device); shared memory from
+the metadata.
+
+The kernels must be real ``JITFunction`` objects, so this module refuses to run under
+``TRITON_INTERPRET=1``; the tests run it in a subprocess without it::
+
+    python -m rqlib.kernels.aot            # one JSON line per (kernel, specialization, arch)
+
+Constexpr choices are enumerated from :mod:`rqlib.kernels.geometry`. Triton's JIT also
+specializes integer arguments equal to 1 (e.g. q_len = 1 in decode) and pointer/integer
+divisibility by 16 at launch; those variants are the same source with extra hints, and one of
+them (all of group, q_len = 1) is compiled here as a representative.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from rqlib.kernels import geometry as geo
+
+ARCHS = (80, 90, 100)
+FLOAT_ARGS = {"qjl_scale", "scale"}
+TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One compile: a kernel, its constexprs, pointer types and integer args fixed to 1."""
+
+    kernel: str
+    constexprs: dict = field(default_factory=dict)
+    pointers: dict = field(default_factory=dict)  # argument -> element type; default fp32
+    ones: tuple[str, ...] = ()
+    num_warps: int = geo.NUM_WARPS
+
+    @property
+    def label(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.constexprs.items()]
+        parts += [f"{k}:{v}" for k, v in self.pointers.items()]
+        parts += [f"{k}=1" for k in self.ones]
+        return f"{self.kernel}[{', '.join(parts)}]"
+
+
+KEY_POINTERS = {
+    "codes_ptr": "u8",
+    "norms_ptr": "fp16",
+    "signs_ptr": "u8",
+    "rnorms_ptr": "fp16",
+}
+SCORES_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.SCORES_BLOCK_S, "CHUNK": geo.CHUNK}
+DECODE_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.DECODE_BLOCK_S, "CHUNK": geo.CHUNK}
+
+
+def decode_value_blocks() -> tuple[set[int], set[int]]:
+    """Accumulator widths for full-precision values and for compressed values."""
+    full = {geo.value_block(d) for d in geo.SUPPORTED_HEAD_DIMS}
+    compressed = {
+        geo.value_block(max(width, d))
+        for d in geo.SUPPORTED_HEAD_DIMS
+        for width in geo.rotated_dims(d)
+    }
+    return full, compressed
+
+
+def specializations() -> list[Specialization]:
+    """Every constexpr / pointer-type combination the host code in launch.py can launch."""
+    specs = [
+        Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS),
+        Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS, ones=("group", "q_len")),
+        Specialization(
+            "quantize_kernel",
+            {"BLOCK_N": geo.BLOCK_N, "CHUNK": geo.CHUNK},
+            {"codes_ptr": "u8", "signs_ptr": "u8"},
+        ),
+    ]
+    full, compressed = decode_value_blocks()
+    for dtype in geo.SUPPORTED_VALUE_DTYPES:
+        for block in sorted(full):
+            specs.append(
+                Specialization(
+                    "decode_partition_kernel",
+                    {"V_COMPRESSED": False, "BLOCK_V": block, **DECODE_TILE},
+                    {**KEY_POINTERS, "v_ptr": TRITON_DTYPES[dtype], "v_norms_ptr": "fp16"},
+                )
+            )
+    for block in sorted(compressed):
+        specs.append(
+            Specialization(
+                "decode_partition_kernel",
+                {"V_COMPRESSED": True, "BLOCK_V": block, **DECODE_TILE},
+                {**KEY_POINTERS, "v_ptr": "u8", "v_norms_ptr": "fp16"},
+            )
+        )
+    for block in sorted(full | compressed):
+        specs.append(
+            Specialization(
+                "decode_reduce_kernel", {"BLOCK_V": block}, num_warps=geo.REDUCE_NUM_WARPS
+            )
+        )
+    return specs
+
+
+def kernel_objects() -> dict:
+    """The JITFunctions by name (refuses interpreted kernels, which cannot be compiled)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("AOT compilation needs TRITON_INTERPRET unset (run in a subprocess)")
+    from rqlib.kernels.triton_decode import decode_partition_kernel, decode_reduce_kernel
+    from rqlib.kernels.triton_quantize import quantize_kernel
+    from rqlib.kernels.triton_scores import fused_scores_kernel
+
+    return {
+        "fused_scores_kernel": fused_scores_kernel,
+        "quantize_kernel": quantize_kernel,
+        "decode_partition_kernel": decode_partition_kernel,
+        "decode_reduce_kernel": decode_reduce_kernel,
+    }
+
+
+def signature(kernel, spec: Specialization) -> dict[str, str]:
+    """ASTSource signature: pointer element types, i32 / fp32 scalars, constexpr markers."""
+    result = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in spec.constexprs or name in spec.ones:
+            result[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            result[name] = "*" + spec.pointers.get(name, "fp32")
+        elif name in FLOAT_ARGS:
+            result[name] = "fp32"
+        else:
+            result[name] = "i32"
+    return result
+
+
+def cuobjdump() -> str:
+    """Path of the cuobjdump bundled with triton."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, spill stores and static shared memory of a cubin, via cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run(
+            [cuobjdump(), "--dump-resource-usage", handle.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    usage = {}
+    for key, pattern in (
+        ("regs", r"REG:(\d+)"),
+        ("stack", r"STACK:(\d+)"),
+        ("smem", r"SHARED:(\d+)"),
+    ):
+        match = re.search(pattern, text)
+        if match:
+            usage[key] = int(match.group(1))
+    return usage
+
+
+def compile_one(kernel, spec: Specialization, arch: int) -> dict:
+    """Compile ``spec`` for sm_``arch``; returns a JSON-able record (ok, regs, shared, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**spec.constexprs, **{name: 1 for name in spec.ones}}
+    source = ASTSource(fn=kernel, signature=signature(kernel, spec), constexprs=constexprs)
+    record = {"kernel": spec.label, "arch": f"sm_{arch}"}
+    try:
+        compiled = triton.compile(
+            source, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec.num_warps}
+        )
+    except Exception as error:  # noqa: BLE001 - reported, the test fails on it
+        record.update(ok=False, error=f"{type(error).__name__}: {error}"[:2000])
+        return record
+    metadata = compiled.metadata
+    record.update(
+        ok="cubin" in compiled.asm,
+        shared=getattr(metadata, "shared", None),
+        num_warps=metadata.num_warps,
+        ptx_lines=compiled.asm.get("ptx", "").count("\n"),
+    )
+    if "cubin" in compiled.asm:
+        record.update(resource_usage(compiled.asm["cubin"]))
+    return record
+
+
+def supported_archs() -> list[int]:
+    """The archs of ``ARCHS`` whose target this triton's NVIDIA backend accepts."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    return [a for a in ARCHS if CUDABackend.supports_target(GPUTarget("cuda", a, 32))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Compile everything (optionally only archs given as arguments); one JSON line each."""
+    archs = [int(a) for a in (argv if argv is not None else sys.argv[1:])] or supported_archs()
+    kernels = kernel_objects()
+    failures = 0
+    for spec in specializations():
+        for arch in archs:
+            record = compile_one(kernels[spec.kernel], spec, arch)
+            failures += not record["ok"]
+            print(json.dumps(record), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

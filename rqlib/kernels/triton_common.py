@@ -1,0 +1,71 @@
+"""Triton building blocks shared by the kernels: read b-bit codes and sign bits from packed rows.
+
+Storage layout (rqlib.packing): an LSB-first bit stream per vector; code j occupies stream bits
+j*b .. j*b+b-1, stream bit t is bit t % 8 of byte t // 8. A code of b <= 8 bits therefore lies
+in byte t // 8 and, when (t % 8) + b > 8, also in the next byte: the unpack below reads the
+first byte always and the second only where the code straddles, so widths that divide 8
+(1, 2, 4, 8) read each byte once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_codes(row_ptrs, cols, col_mask, bits, row_bytes):
+    """Unpack codes ``cols`` (a [CHUNK] vector) of the packed rows ``row_ptrs`` ([ROWS, 1]).
+
+    Returns int32 codes [ROWS, CHUNK]; masked-out entries are 0.
+    """
+    bit = cols * bits
+    byte = bit >> 3
+    shift = bit & 7
+    lo = tl.load(row_ptrs + byte[None, :], mask=col_mask, other=0).to(tl.int32)
+    straddles = col_mask & ((shift + bits) > 8)[None, :] & ((byte + 1) < row_bytes)[None, :]
+    hi = tl.load(row_ptrs + byte[None, :] + 1, mask=straddles, other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> shift[None, :]) & ((1 << bits) - 1)
+
+
+@triton.jit
+def load_signs(row_ptrs, cols, col_mask):
+    """Unpack sign bits ``cols`` of the packed rows ``row_ptrs``: +1.0 (bit 1), -1.0 (bit 0).
+
+    Masked-out entries are 0.0, so they drop out of any dot product.
+    """
+    byte = tl.load(row_ptrs + (cols >> 3)[None, :], mask=col_mask, other=0).to(tl.int32)
+    bit = (byte >> (cols & 7)[None, :]) & 1
+    return tl.where(col_mask, bit.to(tl.float32) * 2.0 - 1.0, 0.0)
+
+
+@triton.jit
+def pack_store(
+    out_row_ptrs,
+    codes,
+    first_code,
+    bits,
+    row_bytes,
+    row_mask,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Pack int codes [ROWS, CHUNK] (codes first_code ..) into the rows ``out_row_ptrs`` [ROWS].
+
+    Eight b-bit codes fill exactly b bytes, so each group of eight is summed into one 64-bit
+    word (code i shifted by i*b) whose first b bytes are the packed bytes of that group.
+    ``first_code`` must be a multiple of 8; bytes at or beyond ``row_bytes`` are not written.
+    """
+    GROUPS: tl.constexpr = CHUNK // 8
+    groups = tl.reshape(codes.to(tl.int64), (ROWS, GROUPS, 8))
+    lane = tl.arange(0, 8)
+    word = tl.sum(groups << (lane * bits).to(tl.int64)[None, None, :], axis=2)  # [ROWS, GROUPS]
+    byte_values = (word[:, :, None] >> (lane * 8).to(tl.int64)[None, None, :]) & 255
+    group_byte0 = (first_code // 8 + tl.arange(0, GROUPS)) * bits  # first byte of each group
+    byte_index = group_byte0[:, None] + lane[None, :]  # [GROUPS, 8 bytes]
+    mask = (lane[None, :] < bits) & (byte_index < row_bytes)
+    tl.store(
+        out_row_ptrs[:, None, None] + byte_index[None, :, :],
+        byte_values.to(tl.uint8),
+        mask=row_mask[:, None, None] & mask[None, :, :],
+    )

