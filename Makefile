@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml
 book: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
+# The unit tests, then every chapter executed at its CPU defaults (pytest --nbmake), so that
+# CI fails when a chapter fails without building the whole book.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --nbmake --nbmake-timeout=1800 notebooks
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

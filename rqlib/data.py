@@ -1,8 +1,9 @@
 """Text corpora for evaluation and calibration, with their provenance.
 
 - ``"wikitext-2"``: the test split of wikitext-2-raw-v1. Looked up in this order:
-  ``$RQLIB_WIKITEXT2`` (a path to ``wiki.test.raw``), ``../shared/data/wikitext-2-raw/wiki.test.raw``
-  relative to the repository root, then the ``datasets`` package (rows joined with newlines).
+  ``$RQLIB_WIKITEXT2`` (a path to ``wiki.test.raw``),
+  ``../shared/data/wikitext-2-raw/wiki.test.raw`` relative to the repository root, then the
+  ``datasets`` package.
 - ``"pydoc"``: the help topics that ship with CPython (``pydoc_data.topics``), about 113k tokens
   of English: always available; the calibration corpus (never used for evaluation numbers).
 """

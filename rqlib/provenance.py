@@ -181,5 +181,5 @@ def provenance(
         device=describe_device(device),
         commit=git_commit(),
         versions=package_versions(),
-        created_utc=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        created_utc=_dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
     )

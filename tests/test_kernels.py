@@ -42,7 +42,9 @@ def poison_buffers(monkeypatch):
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max|out - ref| / max|ref| (NaN in ``out`` gives NaN, which fails every comparison)."""
-    return float((out.double() - ref).abs().max() / ref.abs().max())
+    error = float((out.double() - ref).abs().max() / ref.abs().max())
+    print(f"relative error {error:.3e}")
+    return error
 
 
 def random_seed(rng: torch.Generator) -> int:
@@ -271,6 +273,27 @@ def test_decode_reference_is_softmax_of_scores(rng):
     assert torch.allclose(got, expected, rtol=1e-12, atol=1e-12)  # same float64 operations
 
 
+def test_strided_cache_views(rng):
+    """Caches are views (a prefix of a preallocated buffer, a [B, S, KV] layout transposed):
+    the kernels take the strides, not a contiguous copy's layout."""
+    d, kv_len = 64, 70
+    qz = quantizer("turboquant-prod", d, 3, rng)
+    stored = qz.quantize(gaussian(rng, 2, kv_len + 11, 2, d))  # [B, S_max, KV]
+    keys = stored.map(lambda t: t[:, :kv_len].transpose(1, 2))  # [B, KV, S], non-contiguous
+    values_buffer = gaussian(rng, 2, kv_len + 11, 2, d)
+    values = values_buffer[:, :kv_len].transpose(1, 2)
+    q = gaussian(rng, 2, 4, 1, d)
+    assert not keys.codes.is_contiguous() and not values.is_contiguous()
+    scores = kernels.fused_scores(q, keys, scale=0.2, backend="triton")
+    ref = reference.fused_scores(q.double(), keys, scale=0.2, dtype=torch.float64)
+    assert relative_error(scores, ref) <= FP32_TOLERANCE
+    out = kernels.decode_attention(q, keys, values, scale=0.2, partition_size=32, backend="triton")
+    ref = reference.decode_attention(
+        q.double(), keys, values.double(), scale=0.2, dtype=torch.float64
+    )
+    assert relative_error(out, ref) <= FP32_TOLERANCE
+
+
 # --------------------------------------------------------------------------------------------
 # quantize
 
@@ -307,7 +330,7 @@ def test_quantize_kernel_is_bit_identical_to_torch(case, rng):
     residual = y - qz.centroid_vectors(expected).double()
     projection = residual @ qz.sketch.double().T
     band = 1e-5 * qz.sketch.double().norm(dim=-1) * residual.norm(dim=-1, keepdim=True)
-    differs = kernels_signs(got) != kernels_signs(expected)
+    differs = reference.signs_pm1(got) != reference.signs_pm1(expected)
     print(f"sign flips: {int(differs.sum())} of {differs.numel()}")
     assert not bool((differs & (projection.abs() >= band)).any())
     # Residual norms: ||r|| summed in another order differs in the last fp32 bit at most, which
@@ -316,10 +339,6 @@ def test_quantize_kernel_is_bit_identical_to_torch(case, rng):
     ulp = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2**-14))) - 10)
     print(f"residual norms differing: {int((a != b).sum())} of {a.numel()}")
     assert bool(((a - b).abs() <= ulp).all())
-
-
-def kernels_signs(c) -> torch.Tensor:
-    return reference.signs_pm1(c)
 
 
 # --------------------------------------------------------------------------------------------

@@ -234,8 +234,10 @@ def compress(
             attention.ACTIVE[module] = (cache, module.layer_idx)
         for c in configs.values():
             c._attn_implementation_internal = attention.ATTENTION_NAME
+        cache.set_active(True)
         yield cache
     finally:
+        cache.set_active(False)
         for key, c in configs.items():
             c._attn_implementation_internal = saved[key]
         for module in modules:

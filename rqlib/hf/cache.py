@@ -32,7 +32,7 @@ def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_matmul(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``weights [B, Hq, L, S] @ values [B, KV, S, d]`` with query head ``h`` on KV head ``h//G``."""
+    """``weights [B, Hq, L, S] @ values [B, KV, S, d]``; query head ``h`` reads KV head ``h//G``."""
     batch, q_heads, length, n_keys = weights.shape
     kv_heads = values.shape[1]
     grouped = weights.reshape(batch, kv_heads, (q_heads // kv_heads) * length, n_keys)
@@ -68,6 +68,7 @@ class CompressedLayer(CacheLayerMixin):
         self.value_codec = value_codec
         self.n_sink = n_sink
         self.recent_window = recent_window
+        self.active = False  # set by rqlib.hf.compress for the duration of its block
         self.reset()
 
     @property
@@ -95,6 +96,12 @@ class CompressedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append a chunk of new tokens; return it unchanged (attention reads this layer)."""
+        if not self.active:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: this CompressedCache is used outside its "
+                "rqlib.hf.compress(...) block; the model's own attention would read only the new "
+                "tokens"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, new = self.length, key_states.shape[-2]
@@ -211,8 +218,8 @@ class CompressedLayer(CacheLayerMixin):
         chunk = self._chunk
         if chunk is None or key is not chunk["key_states"]:
             raise RuntimeError(
-                f"layer {self.layer_idx}: the attention received keys that this CompressedCache did "
-                "not produce; pass the cache yielded by rqlib.hf.compress(...) as past_key_values"
+                f"layer {self.layer_idx}: the attention received keys that this CompressedCache "
+                "did not produce; pass the cache yielded by rqlib.hf.compress(...) to the model"
             )
         n_keys, length = self.length, query.shape[2]
         if mask.dtype != torch.bool or mask.shape[-1] != n_keys or mask.shape[-2] != length:
@@ -285,6 +292,11 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         self.config = config
         self.model_id = model_id
+
+    def set_active(self, active: bool) -> None:
+        """Allow (or forbid) updates: only inside the compress() block that made the cache."""
+        for layer in self.layers:
+            layer.active = active
 
     def nbytes(self) -> int:
         """Bytes stored by all layers now."""

@@ -70,7 +70,7 @@ def calibrate(model, tokenizer, corpus_name: str, n_tokens: int) -> Calibration:
             if len(chunk) < 2:
                 break
             cache = DynamicCache()
-            model(chunk[None].to(device), past_key_values=cache, use_cache=True)
+            model(chunk[None].to(device), cache=cache, use_cache=True)
             keys = [layer.keys[0, :, 1:].double() for layer in cache.layers]  # [KV, S-1, d]
             values = [layer.values[0, :, 1:].double() for layer in cache.layers]
             if sums is None:

@@ -242,7 +242,7 @@ class CompressionConfig:
     # ---- the compact spec ------------------------------------------------------------------------
     @classmethod
     def parse(cls, spec: str) -> CompressionConfig:
-        """Parse ``METHOD[:TOKEN]...`` (see the module docstring); ``ValueError`` on anything else."""
+        """Parse ``METHOD[:TOKEN]...`` (see the module docstring); ``ValueError`` otherwise."""
         if not isinstance(spec, str) or not spec.strip():
             raise ValueError(f"a compression spec must be a non-empty string, got {spec!r}")
         parts = [part.strip() for part in spec.strip().split(":")]
@@ -402,5 +402,6 @@ def _apply_token(
             changes[key] = _int(token, text, spec) if key in _INT_FIELDS | {"value_bits"} else text
             return
     raise ValueError(
-        f"unknown token {token!r} in spec {spec!r}; see `python -m rqlib eval --help` for the syntax"
+        f"unknown token {token!r} in spec {spec!r}; "
+        "see `python -m rqlib eval --help` for the syntax"
     )

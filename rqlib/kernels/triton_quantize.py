@@ -71,7 +71,7 @@ def quantize_kernel(
     n_bound = (1 << bits) - 1
     has_codes = bits > 0
 
-    # Codes, packed 64 coordinates at a time, and the squared residual norm.
+    # Codes, packed CHUNK coordinates at a time, and the squared residual norm.
     residual_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for c0 in range(0, rotated_dim, CHUNK):
         c = c0 + cols
@@ -95,7 +95,7 @@ def quantize_kernel(
 
     if qjl_dim > 0:
         tl.store(residual_ptr + rows, tl.sqrt(residual_sq), mask=row_mask)
-        # Signs of S r, 64 sketch rows at a time; r is recomputed per chunk of S.
+        # Signs of S r, CHUNK sketch rows at a time; r is recomputed per chunk of S.
         for m0 in range(0, qjl_dim, CHUNK):
             m = m0 + cols
             m_mask = m < qjl_dim

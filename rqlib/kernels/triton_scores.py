@@ -17,12 +17,15 @@ Bytes read per key, head_dim d = 128 (rotated dim D = 128, m = 128 signs, fp16 n
                                                            =  52 bytes at b = 3
 
 so a memory-bound score pass over 3-bit keys reads about 5x fewer bytes than over fp16 keys
-(queries, centroids and the output are O(1) or O(kv_len) floats shared by the group).
+(the query side and the centroids are O(1)). It also writes 4 bytes per key and query row: 16
+bytes per key at GQA 4 in decode, a third of what it reads; that is why decoding uses
+:mod:`rqlib.kernels.triton_decode`, which never writes the scores out.
 
-Work decomposition: one program per (batch, kv head, block of 16 query rows, block of 64 keys).
+Work decomposition: one program per (batch, kv head, block of BLOCK_ROWS = 16 query rows,
+block of BLOCK_S = 32 keys) (sizes in :mod:`rqlib.kernels.geometry`).
 The rows of a program are the query heads of one GQA group times the query positions (head h
 reads kv head h // group), so a key tile is decoded once for the whole group. Both dot
-products are ``tl.dot`` of the 16 rows against the decoded 64-key tile, 64 coordinates at a
+products are ``tl.dot`` of the 16 rows against the decoded key tile, CHUNK = 32 coordinates at a
 time, in IEEE fp32 (``input_precision="ieee"``: the tests demand 1e-5 relative error, which
 TF32's 10-bit mantissa would not meet).
 """
@@ -89,7 +92,7 @@ def fused_scores_kernel(
     first_row = (b * kv_heads + kvh).to(tl.int64) * group * q_len
     q_rows = first_row + rows
 
-    # MSE term: <R q, c[codes]>, decoded 64 coordinates at a time.
+    # MSE term: <R q, c[codes]>, decoded CHUNK coordinates at a time.
     code_rows = codes_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
     code_rows = code_rows + keys[:, None].to(tl.int64) * stride_cs
     mse = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
@@ -105,7 +108,7 @@ def fused_scores_kernel(
         k_tile = tl.load(centroids_ptr + codes, mask=key_mask[:, None] & c_mask[None, :], other=0.0)
         mse += tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
 
-    # QJL term: <S R q, signs>, 64 sign bits at a time.
+    # QJL term: <S R q, signs>, CHUNK sign bits at a time.
     sign_rows = signs_ptr + b.to(tl.int64) * stride_sb + kvh * stride_sh
     sign_rows = sign_rows + keys[:, None].to(tl.int64) * stride_ss
     qjl = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)

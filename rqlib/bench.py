@@ -1,0 +1,286 @@
+"""Kernel benchmarks: ``python -m rqlib bench kernels``.
+
+On a CUDA device it first checks the Triton kernels against the torch references on a few
+small shapes (the tests only ever ran them in the interpreter), then times ``fused_scores`` and
+``decode_attention`` against torch's SDPA on fp16 keys/values for kv_len 1k ... 128k
+(head_dim 128, GQA 4 by default), and prints bytes read, achieved GB/s, the fraction of the
+device's HBM bandwidth and the speed-up over SDPA.
+
+Without a GPU it prints the byte-count model: bytes per token and KV head for each storage
+format, and the speed-up a memory-bound kernel would get from reading fewer bytes. Timings need
+a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from rqlib.quantizers import make_quantizer
+
+# Peak HBM bandwidth in GB/s, matched against torch.cuda.get_device_name (first match wins).
+HBM_GBPS = (
+    ("H200", 4800.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("H800", 3350.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+    ("L4", 300.0),
+    ("RTX 4090", 1008.0),
+)
+DEFAULT_KV_LENS = (1024, 4096, 16384, 32768, 65536, 131072)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Command-line options of ``python -m rqlib bench``."""
+    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
+    parser.add_argument(
+        "--kv-lens",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=DEFAULT_KV_LENS,
+        help="comma-separated context lengths (default 1k..128k)",
+    )
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--key-method", default="turboquant-prod")
+    parser.add_argument("--key-bits", type=int, default=3)
+    parser.add_argument("--value-method", default="turboquant-mse")
+    parser.add_argument("--value-bits", type=int, default=4)
+    parser.add_argument("--hbm-gbps", type=float, default=None, help="override the peak HBM GB/s")
+    parser.add_argument("--cpu", action="store_true", help="print the byte model even on a GPU")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark on CUDA, or print the byte-count model without one."""
+    if args.cpu or not torch.cuda.is_available():
+        print_byte_model(args)
+        print("\nTimings need a CUDA GPU: rerun `python -m rqlib bench kernels` on one.")
+        return 0
+    return run_gpu(args)
+
+
+# --------------------------------------------------------------------------------------------
+# the byte-count model
+
+
+def byte_formats(args) -> list[tuple[str, float, str]]:
+    """(format, bytes per token per KV head, what it stores) for keys and values."""
+    d = args.head_dim
+    keys = make_quantizer(args.key_method, d, args.key_bits)
+    values = make_quantizer(args.value_method, d, args.value_bits)
+    mse_keys = make_quantizer(args.key_method.replace("-prod", "-mse"), d, args.key_bits)
+    norm_bytes = keys.norm_bits / 8
+    return [
+        ("fp16", 2.0 * d, "d fp16 numbers"),
+        ("one byte per code", keys.rotated_dim + norm_bytes, "D uint8 codes + fp16 norm"),
+        (
+            f"packed {mse_keys.bits}-bit codes",
+            mse_keys.bits_per_vector / 8,
+            f"{mse_keys.method} {mse_keys.bits} bits: codes + norm",
+        ),
+        (
+            f"packed {keys.mse_bits}-bit + QJL",
+            keys.bits_per_vector / 8,
+            f"{keys.method} {keys.bits} bits: codes + norm + {keys.qjl_dim} signs + norm",
+        ),
+        (
+            f"packed {values.bits}-bit values",
+            values.bits_per_vector / 8,
+            f"{values.method} {values.bits} bits: codes + norm",
+        ),
+    ]
+
+
+def print_byte_model(args) -> None:
+    """Bytes per token per KV head for each storage format, and the memory-bound speed-up."""
+    d = args.head_dim
+    print(f"Byte-count model, head_dim {d} (per token and KV head; norms fp16)\n")
+    print(f"{'format':<26} {'bytes':>8} {'vs fp16':>8}  stores")
+    formats = byte_formats(args)
+    fp16 = formats[0][1]
+    for name, nbytes, what in formats:
+        print(f"{name:<26} {nbytes:>8.1f} {fp16 / nbytes:>7.2f}x  {what}")
+    keys, values = formats[3][1], formats[4][1]
+    print(
+        f"\nDecode attention reads K and V once: fp16 {2 * fp16:.0f} bytes per token and KV head, "
+        f"{args.key_bits}-bit keys + {args.value_bits}-bit values {keys + values:.0f} bytes: "
+        f"a memory-bound kernel can be at most {2 * fp16 / (keys + values):.2f}x faster than "
+        "fp16 SDPA."
+    )
+    tokens = 32768
+    heads = args.kv_heads * args.batch
+    print(
+        f"At {tokens} tokens x {heads} KV heads one layer reads "
+        f"{2 * fp16 * tokens * heads / 2**20:.1f} MiB (fp16) vs "
+        f"{(keys + values) * tokens * heads / 2**20:.1f} MiB (compressed)."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# GPU timings
+
+
+def hbm_peak_gbps(args) -> float | None:
+    if args.hbm_gbps is not None:
+        return args.hbm_gbps
+    name = torch.cuda.get_device_name()
+    for key, gbps in HBM_GBPS:
+        if key in name:
+            return gbps
+    return None
+
+
+def check_on_gpu(args, device, length: int = 1000) -> None:
+    """Triton vs torch reference on small irregular shapes; raises if they disagree."""
+    from rqlib import kernels
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    d, group = args.head_dim, args.group
+    key_qz = make_quantizer(args.key_method, d, args.key_bits)
+    value_qz = make_quantizer(args.value_method, d, args.value_bits)
+    k = torch.randn(2, 2, length, d, device=device, generator=generator)
+    v = torch.randn(2, 2, length, d, device=device, generator=generator)
+    q = torch.randn(2, 2 * group, 1, d, device=device, generator=generator)
+    keys = key_qz.quantize(k)
+    triton_keys = kernels.quantize(key_qz, k)
+    codes_equal = torch.equal(triton_keys.codes, keys.codes)
+    values = value_qz.quantize(v)
+    checks = {
+        "fused_scores": (
+            kernels.fused_scores(q, keys, scale=0.1),
+            kernels.fused_scores(q, keys, scale=0.1, backend="torch"),
+        ),
+        "decode fp16 V": (
+            kernels.decode_attention(
+                q.half(), keys, v.half(), scale=0.1, window=length * 7 // 10
+            ).float(),
+            kernels.decode_attention(
+                q, keys, v.half(), scale=0.1, window=length * 7 // 10, backend="torch"
+            ),
+        ),
+        "decode packed V + exact": (
+            kernels.decode_attention(
+                q,
+                keys,
+                values,
+                scale=0.1,
+                sink_keys=k[:, :, :4],
+                sink_values=v[:, :, :4],
+                recent_keys=k[:, :, -64:],
+                recent_values=v[:, :, -64:],
+            ),
+            kernels.decode_attention(
+                q,
+                keys,
+                values,
+                scale=0.1,
+                sink_keys=k[:, :, :4],
+                sink_values=v[:, :, :4],
+                recent_keys=k[:, :, -64:],
+                recent_values=v[:, :, -64:],
+                backend="torch",
+            ),
+        ),
+    }
+    print(f"GPU check: quantize codes bit-identical to torch: {codes_equal}")
+    worst = 0.0
+    for name, (got, expected) in checks.items():
+        error = float((got - expected).abs().max() / expected.abs().max())
+        worst = max(worst, error)
+        print(f"GPU check: {name:<24} relative error vs torch {error:.2e}")
+    if worst > 1e-3 or not codes_equal:  # fp16 output rounding is 5e-4
+        raise RuntimeError("the Triton kernels disagree with the torch references on this GPU")
+
+
+def run_gpu(args) -> int:
+    """Time fused_scores / decode_attention against fp16 SDPA for each kv_len."""
+    device = torch.device("cuda")
+    peak = hbm_peak_gbps(args)
+    print(f"device: {torch.cuda.get_device_name()}, peak HBM {peak or 'unknown'} GB/s")
+    check_on_gpu(args, device)
+
+    d, batch, kv_heads = args.head_dim, args.batch, args.kv_heads
+    q_heads = kv_heads * args.group
+    key_qz = make_quantizer(args.key_method, d, args.key_bits)
+    value_qz = make_quantizer(args.value_method, d, args.value_bits)
+    scale = 1 / math.sqrt(d)
+    header = (
+        f"{'kv_len':>7} {'kernel':<26} {'time us':>9} {'MB read':>9} {'GB/s':>7} "
+        f"{'% HBM':>6} {'vs SDPA':>8}"
+    )
+    print(
+        f"\nbatch {batch}, {q_heads} query heads / {kv_heads} KV heads, head_dim {d}, "
+        f"keys {key_qz.method} {key_qz.bits} bits, values {value_qz.method} "
+        f"{value_qz.bits} bits\n{header}"
+    )
+    for kv_len in args.kv_lens:
+        timings = time_one_length(args, kv_len, key_qz, value_qz, scale, device)
+        for name, ms, nbytes, sdpa_ms in timings:
+            gbps = nbytes / ms / 1e6
+            share = f"{100 * gbps / peak:>5.1f}%" if peak else "     ?"
+            print(
+                f"{kv_len:>7} {name:<26} {ms * 1e3:>9.1f} {nbytes / 1e6:>9.2f} {gbps:>7.0f} "
+                f"{share} {sdpa_ms / ms:>7.2f}x"
+            )
+        torch.cuda.empty_cache()
+    print(
+        "\nMB read counts the bytes each kernel must read at least (stored cache + partial "
+        "results); GB/s = MB read / time. The target: 'decode K, V packed' >= 2.5x SDPA at 32k "
+        "with >= 70% of HBM bandwidth."
+    )
+    return 0
+
+
+def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
+    """(name, milliseconds, bytes read, SDPA milliseconds) of each kernel at one kv_len."""
+    import triton.testing
+
+    from rqlib import kernels
+
+    batch, kv_heads, d = args.batch, args.kv_heads, args.head_dim
+    q_heads = kv_heads * args.group
+    k = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
+    v = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
+    q = torch.randn(batch, q_heads, 1, d, device=device, dtype=torch.float16)
+    keys = kernels.quantize(key_qz, k)
+    values = kernels.quantize(value_qz, v)
+    fp16_bytes = 2 * k.numel() * k.element_size()
+    partitions = math.ceil(kv_len / 512)
+    partial_bytes = 2 * batch * q_heads * partitions * (2 + d) * 4  # written, then read back
+    runs = [
+        (
+            "SDPA fp16",
+            lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, scale=scale, enable_gqa=True
+            ),
+            fp16_bytes,
+        ),
+        (
+            "fused_scores",
+            lambda: kernels.fused_scores(q, keys, scale=scale),
+            keys.nbytes() + batch * q_heads * kv_len * 4,
+        ),
+        (
+            "decode K packed, V fp16",
+            lambda: kernels.decode_attention(q, keys, v, scale=scale),
+            keys.nbytes() + v.numel() * 2 + partial_bytes,
+        ),
+        (
+            "decode K, V packed",
+            lambda: kernels.decode_attention(q, keys, values, scale=scale),
+            keys.nbytes() + values.nbytes() + 2 * partial_bytes,
+        ),
+    ]
+    results = []
+    for name, fn, nbytes in runs:
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+        sdpa_ms = results[0][1] if results else ms
+        results.append((name, ms, nbytes, sdpa_ms))
+    return results

@@ -1,0 +1,442 @@
+"""The transformers integration on tiny random Llama / Gemma3 / Qwen2 models (no download).
+
+The oracle for "everything kept exact" is the model's own sdpa attention; for the compressed
+path it is a per-query loop written here from the definition (compressed keys except the sink
+and the band of recent keys, dequantized values except the same exact tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from rqlib.hf import CompressionConfig, build_cache, compress
+from rqlib.hf.attention import ACTIVE
+from rqlib.hf.cache import CompressedLayer
+from rqlib.hf.codec import ChannelPart, VectorCodec
+from rqlib.quantizers import make_quantizer
+
+VOCAB = 256
+# fp32 attention summed in a different order than sdpa: differences of a few ulps per score,
+# amplified through a few layers; 1e-4 on logits of magnitude ~1 is the issue's bound.
+LOGIT_TOL = 1e-4
+
+
+def tiny_model(kind: str, seed: int, dtype=torch.float32):
+    """A small random model of the given architecture, in eval mode, sdpa attention."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+        )
+        model = LlamaForCausalLM(config)
+    elif kind == "gemma3":
+        # sliding window 6 on layers 0..2 (pattern: every 4th layer global) so that 24-token
+        # inputs cross the window
+        config = Gemma3TextConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=6,
+            sliding_window_pattern=4,
+            max_position_embeddings=256,
+            query_pre_attn_scalar=32,
+        )
+        model = Gemma3ForCausalLM(config)
+    elif kind == "qwen2":
+        config = Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=112,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=7,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+        )
+        model = Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    model.config._attn_implementation = "sdpa"
+    return model.to(dtype).eval()
+
+
+def random_ids(rng: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=rng)
+
+
+def seed_of(rng: torch.Generator) -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+
+
+KINDS = ["llama", "gemma3", "qwen2"]
+
+
+def exact_specs(n_layers: int, length: int) -> dict[str, str]:
+    """Three configs that keep everything exact, each through a different code path."""
+    return {
+        "exact-layers": "turboquant-mse:k2:v2:exact=" + ",".join(str(i) for i in range(n_layers)),
+        "window": f"turboquant-mse:k2:v2:win{length}",
+        "sink": f"turboquant-prod:k2:v2:sink{length}",
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["exact-layers", "window", "sink"])
+def test_exact_configs_reproduce_sdpa_logits(kind, mode, rng):
+    model = tiny_model(kind, seed_of(rng))
+    ids = random_ids(rng, 1, 24)
+    spec = exact_specs(model.config.num_hidden_layers, 64)[mode]
+    with torch.no_grad():
+        reference = model(ids).logits
+        with compress(model, spec) as cache:
+            logits = model(ids, cache=cache).logits
+    assert (logits - reference).abs().max().item() <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exact_config_reproduces_greedy_generation(kind, rng):
+    model = tiny_model(kind, seed_of(rng))
+    prompt = random_ids(rng, 1, 7)
+    options = dict(max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(prompt, **options)
+        with compress(model, "turboquant-mse:k2:v2:win64") as cache:
+            generated = model.generate(prompt, cache=cache, **options)
+    assert generated.shape == (1, 27)
+    assert torch.equal(generated, reference)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_left_padded_batch_matches_sdpa(kind, rng):
+    model = tiny_model(kind, seed_of(rng))
+    ids = random_ids(rng, 2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # the first row is left-padded by 5 tokens
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+        with compress(model, "turboquant-mse:k3:v3:win64") as cache:
+            logits = model(ids, attention_mask=mask, cache=cache).logits
+        real = mask.bool()
+        assert torch.isfinite(logits).all()
+        assert (logits[real] - reference[real]).abs().max().item() <= LOGIT_TOL
+        options = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+        expected = model.generate(ids, attention_mask=mask, **options)
+        with compress(model, "turboquant-mse:k3:v3:win64") as cache:
+            generated = model.generate(ids, attention_mask=mask, cache=cache, **options)
+    assert torch.equal(generated, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, rng):
+    # The exact band is relative to each query, so feeding the tokens in chunks (as decoding
+    # does) must give the same logits as one prefill. fp64 makes the keys of both runs equal to
+    # ~1e-15, far below the quantizer's fp32 resolution, so no code flips between the runs.
+    model = tiny_model(kind, seed_of(rng), dtype=torch.float64)
+    ids = random_ids(rng, 1, 20)
+    spec = "turboquant-mse:k2:v3:sink1:win4"
+    with torch.no_grad():
+        with compress(model, spec) as cache:
+            whole = model(ids, cache=cache).logits
+            cache.reset()
+            parts = [model(ids[:, :13], cache=cache).logits]
+            for position in range(13, 20):
+                parts.append(model(ids[:, position : position + 1], cache=cache).logits)
+    chunked = torch.cat(parts, dim=1)
+    # fp32 inside the attention: differences of order 1e-6 relative
+    assert (chunked - whole).abs().max().item() <= 1e-4
+    # ...and the compression is really on: far from the exact model
+    assert (whole - model(ids).logits).abs().max().item() > 1e-3
+
+
+def _reference_attention(q, keys, values, key_hat, value_hat, n_sink, window, scale):
+    """Per-query loop from the definition; q [B,Hq,L,d] are the last L of S positions."""
+    batch, q_heads, length, _ = q.shape
+    kv_heads, n_keys = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    out = torch.zeros(batch, q_heads, length, keys.shape[-1], dtype=torch.float64)
+    for row in range(length):
+        i = n_keys - length + row
+        for h in range(q_heads):
+            g = h // group
+            exact = [(j < n_sink) or (i - window < j <= i) for j in range(i + 1)]
+            k = torch.stack(
+                [keys[:, g, j] if exact[j] else key_hat[:, g, j] for j in range(i + 1)], 1
+            )
+            v = torch.stack(
+                [values[:, g, j] if exact[j] else value_hat[:, g, j] for j in range(i + 1)], 1
+            )
+            scores = torch.einsum("bd,bjd->bj", q[:, h, row].double(), k.double()) * scale
+            weights = torch.softmax(scores, -1)
+            out[:, h, row] = torch.einsum("bj,bjd->bd", weights, v.double())
+    return out
+
+
+def test_layer_attention_matches_the_definition(rng):
+    seed = seed_of(rng)
+    batch, q_heads, kv_heads, dim = 2, 4, 2, 16
+    key_codec = VectorCodec(
+        [ChannelPart(make_quantizer("turboquant-mse", dim, 2, seed=seed), None)], dim
+    )
+    value_codec = VectorCodec(
+        [ChannelPart(make_quantizer("turboquant-mse", dim, 3, seed=seed + 1), None)], dim
+    )
+    layer = CompressedLayer(0, key_codec, value_codec, n_sink=2, recent_window=3)
+    layer.active = True
+    keys = torch.randn(batch, kv_heads, 11, dim, generator=rng)
+    values = torch.randn(batch, kv_heads, 11, dim, generator=rng)
+    scale = dim**-0.5
+    # prefill 8 tokens, then decode 3 single tokens
+    for first, last in [(0, 8), (8, 9), (9, 10), (10, 11)]:
+        q = torch.randn(batch, q_heads, last - first, dim, generator=rng)
+        k_new = keys[:, :, first:last]
+        returned, _ = layer.update(k_new, values[:, :, first:last])
+        positions = torch.arange(first, last)[:, None]
+        mask = (torch.arange(last)[None, :] <= positions)[None, None].expand(batch, 1, -1, -1)
+        output = layer.attend(q, returned, mask, scale).transpose(1, 2)
+        key_hat = key_codec.decode(key_codec.encode(keys[:, :, :last]))
+        value_hat = value_codec.decode(value_codec.encode(values[:, :, :last]))
+        expected = _reference_attention(
+            q, keys[:, :, :last], values[:, :, :last], key_hat, value_hat, 2, 3, scale
+        )
+        # fp32 against a float64 loop; norms rounded to fp16 identically on both sides
+        assert torch.allclose(output.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_centering_and_outliers_are_exact_in_the_score(rng):
+    # <q, k> = <q, k - mu> + <q, mu>: with a mean, scores estimate <q, k> for uncentered keys;
+    # with an 8-bit codec the estimate is close to the exact inner product.
+    dim, kv_heads = 32, 2
+    mean = torch.randn(kv_heads, dim, generator=rng) * 3
+    outliers = torch.stack(
+        [torch.randperm(dim, generator=rng)[:8].sort().values for _ in range(kv_heads)]
+    )
+    rest = torch.stack(
+        [torch.tensor([c for c in range(dim) if c not in set(o.tolist())]) for o in outliers]
+    )
+    codec = VectorCodec(
+        [
+            ChannelPart(make_quantizer("turboquant-mse", 8, 8, seed=1), outliers),
+            ChannelPart(make_quantizer("turboquant-mse", dim - 8, 8, seed=2), rest),
+        ],
+        dim,
+        mean=mean,
+        norm_correction=True,
+    )
+    keys = torch.randn(1, kv_heads, 10, dim, generator=rng) + mean[None, :, None, :]
+    q = torch.randn(1, 4, 3, dim, generator=rng)
+    compressed = codec.encode(keys)
+    exact = torch.einsum("bhld,bhsd->bhls", q, keys.repeat_interleave(2, 1))
+    estimate = codec.scores(q, compressed)
+    # 8-bit codes: relative error per coordinate ~1e-2 of the centered norm (~5.7)
+    assert (estimate - exact).abs().max().item() < 0.5
+    decoded = codec.decode(compressed)
+    assert (decoded - keys).abs().max().item() < 0.2
+
+
+def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
+    torch.manual_seed(seed_of(rng))
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad(), compress(model, "turboquant-mse:k3:v3") as cache:
+        model(random_ids(rng, 1, 40), cache=cache)
+        per_token = cache.bytes_per_token()
+    # per layer, KV head and token: keys 64*3/8 = 24 bytes of codes + 2 bytes of fp16 norm,
+    # values the same: 52 bytes; 2 layers x 1 KV head -> 104 bytes
+    assert per_token == 104
+    fp16 = 2 * 1 * 2 * 64 * 2  # layers x KV heads x (K, V) x d x 2 bytes = 512
+    assert per_token < fp16 / 4
+    from rqlib.eval import bytes_per_token
+
+    assert bytes_per_token(CompressionConfig.parse("turboquant-mse:k3:v3"), config) == per_token
+
+
+def test_model_is_restored_after_an_exception(rng):
+    model = tiny_model("llama", seed_of(rng))
+    ids = random_ids(rng, 1, 10)
+    with torch.no_grad():
+        before = model(ids).logits
+        with pytest.raises(KeyError, match="boom"):
+            with compress(model, "turboquant-mse:k2") as cache:
+                model(ids, cache=cache)
+                raise KeyError("boom")
+        assert model.config._attn_implementation == "sdpa"
+        assert all(
+            module.config._attn_implementation == "sdpa"
+            for module in model.modules()
+            if hasattr(module, "config")
+        )
+        assert not any(module in ACTIVE for module in model.modules())
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_mismatched_caches_raise(rng):
+    model = tiny_model("llama", seed_of(rng))
+    other = tiny_model("llama", seed_of(rng))
+    ids = random_ids(rng, 1, 6)
+    with torch.no_grad():
+        with compress(model, "turboquant-mse:k2") as cache:
+            with pytest.raises(RuntimeError, match="did not produce"):
+                model(ids, cache=DynamicCache())
+            # a model switched to "rqlib" by hand, without compress()
+            other.config._attn_implementation = "rqlib"
+            try:
+                with pytest.raises(RuntimeError, match="outside an rqlib.hf.compress"):
+                    other(ids)
+            finally:
+                other.config._attn_implementation = "sdpa"
+        with pytest.raises(RuntimeError, match="outside its"):
+            model(ids, cache=cache)
+        with compress(other, "turboquant-mse:k2"):
+            with pytest.raises(RuntimeError, match="outside its|did not produce"):
+                other(ids, cache=cache)
+
+
+def test_nested_compress_is_refused(rng):
+    model = tiny_model("llama", seed_of(rng))
+    with compress(model, "turboquant-mse:k2"):
+        with pytest.raises(RuntimeError, match="already inside"):
+            with compress(model, "turboquant-mse:k3"):
+                pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_model_without_attention_interface_is_refused():
+    with pytest.raises(TypeError, match="AttentionInterface"):
+        with compress(torch.nn.Linear(4, 4), "turboquant-mse:k3"):
+            pass
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("kivi:k3", "unknown method"),
+        ("turboquant-mse:k9", "key_bits"),
+        ("turboquant-mse:k0", "key_bits"),
+        ("turboquant-prod:k1", "key_bits"),
+        ("turboquant-mse:v12", "value_bits"),
+        ("turboquant-mse:k3:foo", "unknown token"),
+        ("turboquant-mse:rot=spiral", "rotation"),
+        ("turboquant-mse:m=64", "qjl_dim applies"),
+        ("turboquant-prod:k3:nc", "norm_correction"),
+        ("turboquant-mse:k3:calib=wikitext-2", "evaluation corpus"),
+        ("turboquant-mse:k3:vo8", "value_outliers needs"),
+        ("preset:nonexistent", "unknown preset"),
+        ("", "non-empty"),
+    ],
+)
+def test_bad_specs_raise(spec, message):
+    with pytest.raises(ValueError, match=message):
+        CompressionConfig.parse(spec)
+
+
+def test_out_of_range_layers_and_outliers_raise(rng):
+    model = tiny_model("llama", seed_of(rng))
+    with pytest.raises(ValueError, match="out of range"):
+        build_cache(model, CompressionConfig.parse("turboquant-mse:k3:exact=5"))
+    with pytest.raises(ValueError, match="per-layer bits"):
+        build_cache(model, CompressionConfig.parse("turboquant-mse:k3:k7=4"))
+    with pytest.raises(ValueError, match="below head_dim"):
+        build_cache(model, CompressionConfig.parse("turboquant-mse:k3:ko16"))
+
+
+class ByteTokenizer:
+    """Bytes as token ids (vocabulary 256 = VOCAB): a calibration tokenizer for tiny models."""
+
+    name_or_path = "bytes"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+LEVERS = [
+    "rot=hadamard",
+    "rot=none",
+    "rot=rotor",
+    "nc",
+    "k0=4",
+    "v1=5",
+    "exact=0",
+    "sink2",
+    "win4",
+    "ctr",
+    "ko4",
+    "vo4",
+    "seed=3",
+    "law=gaussian",
+]
+
+
+@pytest.mark.parametrize("lever", LEVERS)
+def test_every_lever_changes_the_output(lever, rng):
+    model = tiny_model("llama", seed_of(rng))
+    ids = random_ids(rng, 1, 16)
+    base = "turboquant-mse:k2:v2:ctok=256"
+    with torch.no_grad():
+        with compress(model, base, tokenizer=ByteTokenizer()) as cache:
+            reference = model(ids, cache=cache).logits
+        with compress(model, f"{base}:{lever}", tokenizer=ByteTokenizer()) as cache:
+            logits = model(ids, cache=cache).logits
+    assert torch.isfinite(logits).all()
+    assert (logits - reference).abs().max().item() > 1e-6
+
+
+@pytest.mark.parametrize("lever", ["qjl=orthogonal", "m=32", "m=8"])
+def test_qjl_levers_change_the_output(lever, rng):
+    model = tiny_model("qwen2", seed_of(rng))
+    ids = random_ids(rng, 1, 16)
+    with torch.no_grad():
+        with compress(model, "turboquant-prod:k3") as cache:
+            reference = model(ids, cache=cache).logits
+        with compress(model, f"turboquant-prod:k3:{lever}") as cache:
+            logits = model(ids, cache=cache).logits
+    assert (logits - reference).abs().max().item() > 1e-6
+
+
+def test_calibration_picks_means_and_outlier_channels_from_the_calibration_corpus(rng):
+    from rqlib.hf.calibration import calibrate
+
+    model = tiny_model("llama", seed_of(rng))
+    calibration = calibrate(model, ByteTokenizer(), "pydoc", 300)
+    assert calibration.corpus["name"] == "pydoc" and calibration.n_tokens == 300
+    config = CompressionConfig.parse("turboquant-mse:k2:v2:ctr:ko4:vo3:ctok=300")
+    cache = build_cache(model, config, calibration)
+    layer = cache.layers[1]
+    assert torch.equal(layer.key_codec.mean, calibration.key_means[1])
+    outliers = layer.key_codec.parts[0].channels  # [KV, 4]
+    energy = calibration.key_energy[1]
+    for head in range(energy.shape[0]):
+        chosen = energy[head, outliers[head]]
+        others = energy[head][~torch.isin(torch.arange(energy.shape[1]), outliers[head])]
+        assert chosen.min() >= others.max()
+    assert layer.value_codec.parts[0].channels.shape == (2, 3)
+    assert layer.key_codec.parts[0].quantizer.bits == 3  # outliers at +1 bit
+    with pytest.raises(ValueError, match="needs a calibration"):
+        build_cache(model, config)

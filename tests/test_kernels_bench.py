@@ -1,0 +1,55 @@
+"""The benchmark command: its CPU byte model, and its GPU code path run on CPU.
+
+The GPU path (check_on_gpu, time_one_length) runs here with the Triton interpreter on tiny
+shapes and a stand-in for ``triton.testing.do_bench`` that returns a fixed time: this checks the
+code runs and the byte counts add up, never a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import triton.testing
+
+from rqlib import bench
+from rqlib.quantizers import make_quantizer
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cpu_prints_the_byte_model(capsys):
+    assert bench.run(parse(["kernels", "--cpu"])) == 0
+    text = capsys.readouterr().out
+    assert "Timings need a CUDA GPU" in text
+    # fp16 = 2 d bytes; 3-bit prod keys at d = 128: 32 code bytes + 16 sign bytes + 2 norms.
+    assert "fp16                          256.0" in text
+    assert "packed 2-bit + QJL             52.0" in text
+
+
+def test_gpu_code_path_runs_on_cpu(monkeypatch, capsys):
+    args = parse(["kernels", "--head-dim", "64", "--kv-heads", "1", "--group", "2"])
+    bench.check_on_gpu(args, torch.device("cpu"), length=70)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), 2.0)[1])
+    key_qz = make_quantizer(args.key_method, 64, args.key_bits)
+    value_qz = make_quantizer(args.value_method, 64, args.value_bits)
+    timings = bench.time_one_length(args, 48, key_qz, value_qz, 0.125, torch.device("cpu"))
+    names = [name for name, *_ in timings]
+    assert names == ["SDPA fp16", "fused_scores", "decode K packed, V fp16", "decode K, V packed"]
+    by_name = {name: nbytes for name, _, nbytes, _ in timings}
+    assert by_name["SDPA fp16"] == 2 * 48 * 64 * 2
+    stored = 48 * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
+    partials = 2 * 2 * 2 * (2 + 64) * 4  # two reductions x (written + read) x 2 heads x (m, l, acc)
+    assert by_name["decode K, V packed"] == stored + partials
+    assert "bit-identical to torch: True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,gbps", [("NVIDIA H200", 4800.0), ("NVIDIA H100 80GB HBM3", 3350.0)])
+def test_hbm_peak_lookup(monkeypatch, name, gbps):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert bench.hbm_peak_gbps(parse(["kernels"])) == gbps
