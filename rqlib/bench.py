@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--value-bits", type=int, default=4)
     parser.add_argument("--hbm-gbps", type=float, default=None, help="override the peak HBM GB/s")
     parser.add_argument("--cpu", action="store_true", help="print the byte model even on a GPU")
+    parser.add_argument(
+        "--sweep-tiles",
+        action="store_true",
+        help="also time decode_attention (packed K and V) for other tile sizes / warp counts "
+        "at the largest kv_len (tuning aid; the defaults live in rqlib.kernels.geometry)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,6 +236,8 @@ def run_gpu(args) -> int:
                 f"{share} {sdpa_ms / ms:>7.2f}x"
             )
         torch.cuda.empty_cache()
+    if args.sweep_tiles:
+        sweep_tiles(args, max(args.kv_lens), key_qz, value_qz, scale, device)
     print(
         "\nMB read counts the bytes each kernel must read at least (stored cache + partial "
         "results); GB/s = MB read / time. The target: 'decode K, V packed' >= 2.5x SDPA at 32k "
@@ -284,3 +292,51 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
         sdpa_ms = results[0][1] if results else ms
         results.append((name, ms, nbytes, sdpa_ms))
     return results
+
+
+# (DECODE_BLOCK_S, CHUNK, NUM_WARPS) candidates; every block dimension stays >= 16 for tl.dot.
+TILE_CANDIDATES = ((16, 32, 8), (16, 32, 4), (32, 32, 8), (16, 64, 8), (32, 64, 8), (64, 32, 8))
+
+
+def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
+    """Time the packed-K/V decode for each TILE_CANDIDATES entry, checking each is correct.
+
+    Returns (BLOCK_S, CHUNK, warps, milliseconds, relative error vs torch) per candidate.
+    """
+    import triton.testing
+
+    from rqlib import kernels
+    from rqlib.kernels import geometry as geo
+
+    batch, kv_heads, d = args.batch, args.kv_heads, args.head_dim
+    q_heads = kv_heads * args.group
+    k = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
+    v = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
+    q = torch.randn(batch, q_heads, 1, d, device=device, dtype=torch.float16)
+    keys, values = kernels.quantize(key_qz, k), kernels.quantize(value_qz, v)
+    small_keys, small_values = (
+        keys.map(lambda t: t[:, :, :777]),
+        values.map(lambda t: t[:, :, :777]),
+    )
+    expected = kernels.decode_attention(q, small_keys, small_values, scale=scale, backend="torch")
+    nbytes = keys.nbytes() + values.nbytes()
+    defaults = (geo.DECODE_BLOCK_S, geo.CHUNK, geo.NUM_WARPS)
+    print(f"\ntile sweep, decode K, V packed, kv_len {kv_len} (defaults {defaults})")
+    print(f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'time us':>9} {'GB/s':>7} {'rel err':>8}")
+    rows = []
+    try:
+        for block_s, chunk, warps in TILE_CANDIDATES:
+            geo.DECODE_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = block_s, chunk, warps
+            got = kernels.decode_attention(q, small_keys, small_values, scale=scale)
+            error = float((got - expected).abs().max() / expected.abs().max())
+            ms = triton.testing.do_bench(
+                lambda: kernels.decode_attention(q, keys, values, scale=scale), warmup=25, rep=100
+            )
+            print(
+                f"{block_s:>7} {chunk:>5} {warps:>5} {ms * 1e3:>9.1f} {nbytes / ms / 1e6:>7.0f} "
+                f"{error:>8.1e}"
+            )
+            rows.append((block_s, chunk, warps, ms, error))
+    finally:
+        geo.DECODE_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = defaults
+    return rows

@@ -136,11 +136,11 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, name) < 2:
                 raise ValueError(f"--{name} must be >= 2, got {getattr(args, name)}")
         corpus = load_corpus(args.corpus)
-    except (ValueError, FileNotFoundError) as error:
+        started = time.time()
+        model, tokenizer = load_model(args.model)
+    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    started = time.time()
-    model, tokenizer = load_model(args.model)
     model = model.to(torch.device(args.device))
     ids = tokenize_corpus(corpus, tokenizer, args.tokens)
     results = evaluate(

@@ -215,7 +215,8 @@ class Quantizer:
             raise ValueError(f"{name} contains NaN or infinite values")
         return x.float()
 
-    def _to_norm_dtype(self, values: torch.Tensor, name: str) -> torch.Tensor:
+    def store_norms(self, values: torch.Tensor, name: str = "norm") -> torch.Tensor:
+        """Norms rounded to ``norm_dtype`` for storage; an overflow is an error, not an inf."""
         stored = values.to(self.norm_dtype)
         if not bool(torch.isfinite(stored).all()):
             raise ValueError(
@@ -224,12 +225,17 @@ class Quantizer:
             )
         return stored
 
-    def quantize(self, x: torch.Tensor) -> CompressedVectors:
-        """Compress ``x [..., d]`` (float16/bfloat16/float32/float64; computed in float32)."""
+    def rotated_unit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(‖x‖, R x/‖x‖)`` in float32: the first step of :meth:`quantize` (a zero vector
+        gives a zero direction). Kernels call it too, so that their codes are bit-identical."""
         x = self._as_float32(x, "x")
         norms = x.norm(dim=-1)
         unit = x / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-        y = self.rotation.apply(unit)
+        return norms, self.rotation.apply(unit)
+
+    def quantize(self, x: torch.Tensor) -> CompressedVectors:
+        """Compress ``x [..., d]`` (float16/bfloat16/float32/float64; computed in float32)."""
+        norms, y = self.rotated_unit(x)
         if self.mse_bits:
             indices = torch.bucketize(y, self.boundaries.to(y.device)).to(torch.uint8)
             codes = pack_bits(indices, self.mse_bits)
@@ -242,10 +248,8 @@ class Quantizer:
             residual = y - c_hat
             projected = residual @ self.sketch.to(residual.device).T
             qjl_signs = pack_signs(projected >= 0)
-            residual_norms = self._to_norm_dtype(norms * residual.norm(dim=-1), "residual norm")
-        return CompressedVectors(
-            codes, self._to_norm_dtype(norms, "norm"), qjl_signs, residual_norms, self
-        )
+            residual_norms = self.store_norms(norms * residual.norm(dim=-1), "residual norm")
+        return CompressedVectors(codes, self.store_norms(norms), qjl_signs, residual_norms, self)
 
     # -- decode ----------------------------------------------------------------------------
 

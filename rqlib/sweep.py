@@ -29,6 +29,8 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
+from rqlib.results import repo_root, results_dir
+
 #: The parameter every sweepable chapter must have: the name of its results file.
 RUN_ID_PARAMETER = "run_id"
 
@@ -108,7 +110,9 @@ def plan_sweep(
         if len(set(map(repr, values))) != len(values):
             raise ValueError(f"parameter {name!r} repeats a value: {list(values)}")
     chapter = notebook.stem
-    output_dir = Path("book/_generated") / chapter if output_dir is None else Path(output_dir)
+    if output_dir is None:
+        output_dir = repo_root() / "book" / "_generated" / chapter
+    output_dir = Path(output_dir)
     runs = []
     names = list(grid)
     for values in itertools.product(*(grid[name] for name in names)):
@@ -185,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-dir",
         type=Path,
-        help="where executed notebooks go (default book/_generated/<chapter>)",
+        help="where executed notebooks go (default <repo>/book/_generated/<chapter>)",
     )
     parser.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
     parser.add_argument(
@@ -233,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     failures = run_sweep(args.notebook, runs, jobs=args.jobs, kernel_name=args.kernel)
     chapter = Path(args.notebook).stem
-    print(f"{len(runs) - len(failures)}/{len(runs)} runs succeeded; results: results/{chapter}/")
+    succeeded = len(runs) - len(failures)
+    print(f"{succeeded}/{len(runs)} runs succeeded; results: {results_dir() / chapter}")
     for failed, error in failures:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         where = failed.output_notebook

@@ -113,3 +113,20 @@ def test_evaluate_rejects_bad_inputs(rng):
         evaluate(model, torch.zeros(2, 8, dtype=torch.long), [], progress=False)
     with pytest.raises(TypeError, match="CompressionConfig"):
         evaluate(model, torch.zeros(8, dtype=torch.long), ["turboquant-mse:k3"], progress=False)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "--method", "kivi:k3"], "unknown method"),
+        (["eval", "--method", "turboquant-mse:k3:zz"], "unknown token"),
+        (["eval", "--corpus", "ptb"], "unknown corpus"),
+        (["eval", "--tokens", "1"], "--tokens"),
+        (["eval", "--model", "/no/such/model/dir"], "cannot load model"),
+    ],
+)
+def test_eval_command_reports_bad_input(argv, message, capsys):
+    from rqlib.__main__ import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

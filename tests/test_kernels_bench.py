@@ -47,6 +47,10 @@ def test_gpu_code_path_runs_on_cpu(monkeypatch, capsys):
     partials = 2 * 2 * 2 * (2 + 64) * 4  # two reductions x (written + read) x 2 heads x (m, l, acc)
     assert by_name["decode K, V packed"] == stored + partials
     assert "bit-identical to torch: True" in capsys.readouterr().out
+    rows = bench.sweep_tiles(args, 40, key_qz, value_qz, 0.125, torch.device("cpu"))
+    assert len(rows) == len(bench.TILE_CANDIDATES)
+    # fp16 output: one rounding of 2^-11 relative, see tests/test_kernels.py
+    assert all(error <= 1e-3 for *_, error in rows)
 
 
 @pytest.mark.parametrize("name,gbps", [("NVIDIA H200", 4800.0), ("NVIDIA H100 80GB HBM3", 3350.0)])

@@ -99,7 +99,10 @@ def test_command_line_error_names_the_parameter(tiny, capsys):
     assert "needs at least one value" in capsys.readouterr().err
 
 
-def test_sweep_runs_every_combination_and_reports_failures(tiny, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_sweep_runs_every_combination_and_reports_failures(
+    tiny, tmp_path, monkeypatch, capsys, jobs
+):
     """End to end with real papermill kernels: two runs succeed, one fails on purpose."""
     monkeypatch.setenv("RQLIB_RESULTS_DIR", str(tmp_path / "results"))
     params = tmp_path / "fixed.yaml"
@@ -117,6 +120,8 @@ def test_sweep_runs_every_combination_and_reports_failures(tiny, tmp_path, monke
             "broken",
             "--output-dir",
             str(tmp_path / "executed"),
+            "--jobs",
+            jobs,
         ]
     )
     assert code == 1  # one run failed

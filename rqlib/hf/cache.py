@@ -15,6 +15,10 @@ the model's dtype (fp32 in our runs, counted at that size by :meth:`CompressedCa
 
 Every layer keeps every token (sliding-window layers too; their window is applied by the
 mask), so ``get_mask_sizes`` is ``(seen + new, 0)`` for all layers.
+
+Positions are cache slots: with left padding the sink is the first ``n_sink`` slots of each row
+(pad slots for a padded row, which the mask hides), so a padded row keeps fewer real tokens
+exact than the same sequence unpadded; results stay correct, only less exact.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def decode_attention(
 
 def quantize(quantizer, x: torch.Tensor):
     """Quantize ``x [..., d]``: torch normalizes and rotates, the kernel does the rest."""
-    norms, y = rotated_unit_vectors(quantizer, x)
+    norms, y = quantizer.rotated_unit(x)
     batch_shape = x.shape[:-1]
     y = y.reshape(-1, quantizer.rotated_dim).float().contiguous()
     n = y.shape[0]
@@ -272,33 +272,13 @@ def quantize(quantizer, x: torch.Tensor):
     )
     residual_norms = None
     if has_qjl:
-        residual_norms = _stored_norms(quantizer, norms * residual.reshape(batch_shape))
+        residual_norms = quantizer.store_norms(
+            norms * residual.reshape(batch_shape), "residual norm"
+        )
     return CompressedVectors(
         codes[:, :code_bytes].reshape(*batch_shape, code_bytes),
-        _stored_norms(quantizer, norms),
+        quantizer.store_norms(norms),
         signs[:, :sign_bytes].reshape(*batch_shape, sign_bytes) if has_qjl else None,
         residual_norms,
         quantizer,
     )
-
-
-def rotated_unit_vectors(quantizer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(||x||, R x / ||x||) in float32 with exactly the operations of ``Quantizer.quantize``.
-
-    Bit-identical codes need a bit-identical y: same dtype, same norm, same clamp, same
-    rotation code path (the Hadamard and rotor rotations are not a matmul).
-    """
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x contains NaN or infinite values")
-    x = x.float()
-    norms = x.norm(dim=-1)
-    unit = x / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    return norms, quantizer.rotation.apply(unit)
-
-
-def _stored_norms(quantizer, values: torch.Tensor) -> torch.Tensor:
-    """Norms rounded to the quantizer's ``norm_dtype``; overflow is an error, as in torch."""
-    stored = values.to(quantizer.norm_dtype)
-    if not bool(torch.isfinite(stored).all()):
-        raise ValueError(f"a norm overflows {quantizer.norm_dtype}; use norm_dtype=torch.float32")
-    return stored

@@ -85,9 +85,8 @@ def decode_attention(
     float tensor, or the dequantized compressed values with the exact copies substituted.
     With ``window`` only keys at positions >= S - window are visible.
     """
-    batch, q_heads = q.shape[:2]
     kv_len = keys.shape[2]
-    group = q_heads // keys.shape[1]
+    group = q.shape[1] // keys.shape[1]
     positions = torch.arange(kv_len, device=q.device)
     n_sink = 0 if sink_keys is None else sink_keys.shape[2]
     n_recent = 0 if recent_keys is None else recent_keys.shape[2]
@@ -115,6 +114,4 @@ def decode_attention(
             v[:, :, is_sink] = sink_values.to(dtype)[:, :, : int(is_sink.sum())]
         if n_recent:
             v[:, :, is_recent] = recent_values.to(dtype)[:, :, n_recent - int(is_recent.sum()) :]
-    out = weights @ _expand_group(v, group)
-    assert out.shape == (batch, q_heads, 1, q.shape[-1])
-    return out
+    return weights @ _expand_group(v, group)

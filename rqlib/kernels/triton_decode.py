@@ -1,8 +1,8 @@
 """Triton kernels: one decode step of attention over a compressed KV cache (partition + reduce).
 
 Phase 1 (``decode_partition_kernel``): one program per (batch, kv head, partition of the
-sequence). It walks its partition in tiles of BLOCK_S = 16 keys, computes the scores of all query heads of
-the GQA group (padded to 16 rows) straight from the packed keys as in
+sequence). It walks its partition in tiles of BLOCK_S = 16 keys, computes the scores of all
+query heads of the GQA group (padded to 16 rows) straight from the packed keys as in
 :mod:`rqlib.kernels.triton_scores`, replaces them by exact scores where the token is one of the
 full-precision sink or recent tokens, and runs an online softmax: running max m, running sum l,
 running P.V accumulator. Values are either full precision ([S, d] rows) or MSE-compressed; for

@@ -1,0 +1,382 @@
+"""Preset and ablation experiments: a preset and its one-lever-changed variants in ONE run.
+
+:func:`run_experiment` evaluates, with :func:`rqlib.eval.evaluate` (so the full-precision model
+is run once per window and every config sees exactly the same tokens and windows):
+
+- each preset of :mod:`rqlib.presets`,
+- for each preset, every applicable lever of :data:`LEVERS` applied to it (an ingredient
+  removed, swapped for an alternative, or added on top),
+- optional baseline specs (e.g. plain ``turboquant-mse:b3``),
+
+and writes a self-describing JSON file (model and its geometry, corpus with its sha256, tokens,
+window, calibration corpus, command line, and one row per config with its spec, the lever
+changed, its average bits per K / V coordinate and their mean at the given context, PPL,
+ΔPPL %, mean KL and top-1 agreement). :func:`load_ablation` reads such a file into a
+``pandas.DataFrame`` for the book.
+
+Command line (the files of issue 5)::
+
+    python -m rqlib.experiments --model smollm2-135m --tokens 8192 --presets rq-3.5 rq-3 rq-2.5 \\
+        --levers none --baseline turboquant-mse:b3 --json results/presets-smollm2.json
+    python -m rqlib.experiments --model smollm2-135m --tokens 1024 --presets rq-3.5 rq-3 \\
+        --json results/ablation-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rqlib.hf.config import CompressionConfig
+
+__all__ = [
+    "LEVERS",
+    "Lever",
+    "ablation_configs",
+    "load_ablation",
+    "main",
+    "run_experiment",
+]
+
+CHANGES = ("removed", "swapped", "added")
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One ingredient of a preset and how an ablation changes it.
+
+    ``apply`` returns the changed config, or ``None`` when the lever does not apply to this
+    preset (e.g. removing centering from a preset that does not centre).
+    """
+
+    name: str
+    change: str
+    description: str
+    apply: Callable[[CompressionConfig], CompressionConfig | None]
+
+    def __post_init__(self) -> None:
+        if self.change not in CHANGES:
+            raise ValueError(f"change must be one of {CHANGES}, got {self.change!r}")
+
+
+def _without_centering(c: CompressionConfig) -> CompressionConfig | None:
+    return c.replace(center_keys=False) if c.center_keys else None
+
+
+def _without_sink(c: CompressionConfig) -> CompressionConfig | None:
+    return c.replace(n_sink=0) if c.n_sink else None
+
+
+def _without_window(c: CompressionConfig) -> CompressionConfig | None:
+    return c.replace(recent_window=0) if c.recent_window else None
+
+
+def _without_norm_correction(c: CompressionConfig) -> CompressionConfig | None:
+    return c.replace(norm_correction=False) if c.norm_correction else None
+
+
+def _without_layer_bits(c: CompressionConfig) -> CompressionConfig | None:
+    if not (c.layer_key_bits or c.layer_value_bits):
+        return None
+    return c.replace(layer_key_bits=(), layer_value_bits=())
+
+
+def _kv_swapped(c: CompressionConfig) -> CompressionConfig | None:
+    if c.value_bits is None or c.key_bits == c.value_bits or c.is_prod:
+        return None
+    if any(bits is None for _, bits in c.layer_value_bits):
+        return None
+    return c.replace(
+        key_bits=c.value_bits,
+        value_bits=c.key_bits,
+        layer_key_bits=c.layer_value_bits,
+        layer_value_bits=c.layer_key_bits,
+    )
+
+
+def _rotation(kind: str) -> Callable[[CompressionConfig], CompressionConfig | None]:
+    def apply(c: CompressionConfig) -> CompressionConfig | None:
+        current = c.rotation or ("rotor" if c.method.startswith("rotorquant") else "dense")
+        return None if current == kind else c.replace(rotation=kind)
+
+    return apply
+
+
+def _qjl(qjl_dim: int | None) -> Callable[[CompressionConfig], CompressionConfig | None]:
+    """Keys through ``turboquant-prod`` at the same key bits: one MSE bit becomes QJL signs."""
+
+    def apply(c: CompressionConfig) -> CompressionConfig | None:
+        if c.is_prod or not c.method.startswith("turboquant"):
+            return None
+        return c.replace(
+            method="turboquant-prod",
+            qjl_sketch="orthogonal",
+            norm_correction=False,
+            qjl_dim=qjl_dim,
+        )
+
+    return apply
+
+
+def _with_key_outliers(c: CompressionConfig) -> CompressionConfig | None:
+    return None if c.key_outliers else c.replace(key_outliers=8)
+
+
+def _with_first_layer_exact(c: CompressionConfig) -> CompressionConfig | None:
+    return None if c.exact_layers else c.replace(exact_layers=(0,))
+
+
+LEVERS: dict[str, Lever] = {
+    lever.name: lever
+    for lever in (
+        Lever("centering", "removed", "no per-head key centering", _without_centering),
+        Lever("sink", "removed", "first token no longer exact", _without_sink),
+        Lever("recent-window", "removed", "no exact recent band", _without_window),
+        Lever("norm-correction", "removed", "plain fp16 norms", _without_norm_correction),
+        Lever("layer-bits", "removed", "no per-layer extra bits (uniform)", _without_layer_bits),
+        Lever("kv-asymmetry", "swapped", "key and value bits exchanged", _kv_swapped),
+        Lever(
+            "rot-hadamard", "swapped", "randomized Hadamard instead of dense", _rotation("hadamard")
+        ),
+        Lever("rot-rotor", "swapped", "3x3 rotor blocks instead of dense", _rotation("rotor")),
+        Lever("qjl-m=d", "swapped", "keys: (b-1)-bit MSE + QJL, orthogonal S, m = d", _qjl(None)),
+        Lever(
+            "qjl-m=128", "swapped", "keys: (b-1)-bit MSE + QJL, orthogonal S, m = 128", _qjl(128)
+        ),
+        Lever("key-outliers", "added", "8 calibrated key channels at +1 bit", _with_key_outliers),
+        Lever("layer0-exact", "added", "layer 0 kept exact", _with_first_layer_exact),
+    )
+}
+
+
+def ablation_configs(
+    preset: str, levers: list[str] | None = None
+) -> list[tuple[Lever, CompressionConfig]]:
+    """``(lever, changed config)`` for each applicable lever of ``levers`` (default: all)."""
+    from rqlib.presets import get_preset
+
+    base = get_preset(preset)
+    names = list(LEVERS) if levers is None else levers
+    unknown = [name for name in names if name not in LEVERS]
+    if unknown:
+        raise ValueError(f"unknown levers {unknown}; known: {list(LEVERS)}")
+    out = []
+    for name in names:
+        lever = LEVERS[name]
+        changed = lever.apply(base)
+        if changed is not None:
+            out.append((lever, changed.replace(name=f"{preset}/{lever.change}:{lever.name}")))
+    return out
+
+
+def _row(result: dict, fp_perplexity: float, **fields: Any) -> dict:
+    return {
+        **fields,
+        "label": result["label"],
+        "spec": None if result["config"] is None else _spec(result["config"]),
+        "bits_key": result["bits"]["key"],
+        "bits_value": result["bits"]["value"],
+        "bits_mean": result["bits"]["mean"],
+        "bytes_per_token": result["bytes_per_token"],
+        "perplexity": result["perplexity"],
+        "delta_ppl_pct": 100 * (result["perplexity"] / fp_perplexity - 1),
+        "kl": result["kl"],
+        "top1": result["top1"],
+        "n_scored": result["n_scored"],
+    }
+
+
+def _spec(config_dict: dict) -> str:
+    return CompressionConfig.from_dict({**config_dict, "name": None}).spec()
+
+
+def _geometry(model) -> dict:
+    text = model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    return {
+        "layers": text.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+    }
+
+
+def run_experiment(
+    model_name: str,
+    presets: list[str],
+    *,
+    levers: list[str] | None = None,
+    baselines: list[str] = (),
+    corpus: str = "wikitext-2",
+    tokens: int = 8192,
+    window: int = 1024,
+    context: int = 4096,
+    json_path: Path | str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Evaluate presets, their lever ablations and baselines in one :func:`evaluate` call.
+
+    ``levers`` are names from :data:`LEVERS` (``None``: all; ``[]``: presets only). Returns the
+    JSON-ready payload and writes it to ``json_path`` if given.
+    """
+    import torch
+
+    from rqlib.data import load_corpus, tokenize_corpus
+    from rqlib.eval import evaluate
+    from rqlib.models import load_model
+    from rqlib.presets import TARGETS, get_preset
+
+    if not presets and not baselines:
+        raise ValueError("give at least one preset or baseline")
+    plan: list[tuple[dict, CompressionConfig]] = []
+    for preset in presets:
+        plan.append(
+            (
+                {"role": "preset", "preset": preset, "lever": None, "change": None},
+                get_preset(preset),
+            )
+        )
+        for lever, config in ablation_configs(preset, levers):
+            fields = {
+                "role": "ablation",
+                "preset": preset,
+                "lever": lever.name,
+                "change": lever.change,
+                "description": lever.description,
+            }
+            plan.append((fields, config))
+    for spec in baselines:
+        fields = {"role": "baseline", "preset": None, "lever": None, "change": None}
+        plan.append((fields, CompressionConfig.parse(spec)))
+    labels = [config.label for _, config in plan]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"duplicate configs in the plan: {labels}")
+
+    started = time.time()
+    text = load_corpus(corpus)
+    model, tokenizer = load_model(model_name)
+    ids = tokenize_corpus(text, tokenizer, tokens)
+    results = evaluate(
+        model,
+        ids,
+        [config for _, config in plan],
+        window=window,
+        tokenizer=tokenizer,
+        context=context,
+        progress=progress,
+    )
+    dicts = [result.to_dict() for result in results]
+    fp_perplexity = results[0].perplexity
+    rows = [_row(dicts[0], fp_perplexity, role="fp", preset=None, lever=None, change=None)]
+    for (fields, _), result in zip(plan, dicts[1:]):
+        row = _row(result, fp_perplexity, **fields)
+        if fields["role"] == "preset" and fields["preset"] in TARGETS:
+            target = TARGETS[fields["preset"]]
+            row["target"] = {
+                "max_bits_mean": target.max_bits,
+                "max_delta_ppl_pct": target.max_delta_ppl_pct,
+                "max_kl": target.max_kl,
+            }
+            row["meets_target"] = bool(
+                row["bits_mean"] <= target.max_bits
+                and row["delta_ppl_pct"] <= target.max_delta_ppl_pct
+                and (target.max_kl is None or row["kl"] <= target.max_kl)
+            )
+        rows.append(row)
+    payload = {
+        "kind": "presets" if levers == [] else "ablation",
+        "command": " ".join(["python -m rqlib.experiments", *sys.argv[1:]])
+        if Path(sys.argv[0]).stem in ("experiments", "__main__")
+        else None,
+        "model": model_name,
+        "geometry": _geometry(model),
+        "corpus": text.provenance(),
+        "tokens": int(ids.numel()),
+        "window": window,
+        "context_for_bits": context,
+        "calibration": {"corpus": "pydoc", "tokens": 2048, "used_for": "key means (ctr), outliers"},
+        "torch_threads": torch.get_num_threads(),
+        "seconds": round(time.time() - started, 1),
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows,
+    }
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
+
+
+def load_ablation(path: Path | str):
+    """The rows of a file written by :func:`run_experiment` as a ``pandas.DataFrame``.
+
+    Run-level fields (model, tokens, window, corpus sha256) are repeated as columns so that
+    frames of several files can be concatenated.
+    """
+    import pandas as pd
+
+    payload = json.loads(Path(path).read_text())
+    if "rows" not in payload:
+        raise ValueError(f"{path} is not a presets/ablation file (no 'rows')")
+    frame = pd.DataFrame(payload["rows"])
+    frame["model"] = payload["model"]
+    frame["tokens"] = payload["tokens"]
+    frame["window"] = payload["window"]
+    frame["corpus_sha256"] = payload["corpus"]["sha256"]
+    return frame
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: see the module docstring."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rqlib.experiments",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--corpus", default="wikitext-2")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--presets", nargs="*", default=["rq-3.5", "rq-3", "rq-2.5"])
+    parser.add_argument(
+        "--levers",
+        nargs="*",
+        default=None,
+        help="lever names, 'none' for presets only (default: all)",
+    )
+    parser.add_argument("--baseline", action="append", default=[], metavar="SPEC")
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    levers = [] if args.levers == ["none"] else args.levers
+    payload = run_experiment(
+        args.model,
+        args.presets,
+        levers=levers,
+        baselines=args.baseline,
+        corpus=args.corpus,
+        tokens=args.tokens,
+        window=args.window,
+        context=args.context,
+        json_path=args.json,
+        progress=not args.no_progress,
+    )
+    for row in payload["rows"]:
+        print(
+            f"{row['label']:<44} K {row['bits_key']:.3f} V {row['bits_value']:.3f} "
+            f"mean {row['bits_mean']:.3f}  PPL {row['perplexity']:.3f} "
+            f"({row['delta_ppl_pct']:+.2f}%)  KL {row['kl']:.4f}  top1 {row['top1']:.4f}"
+        )
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
