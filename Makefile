@@ -7,7 +7,6 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rqlib-installed
-export MPLBACKEND := Agg
 
 .PHONY: setup book test lint format clean
 

@@ -10,6 +10,10 @@ Modules (import them directly; nothing heavy is imported here):
 - :mod:`rqlib.kernels`    Triton kernels with torch references and a dispatcher
 - :mod:`rqlib.hf`         the transformers integration (compressed cache, attention function)
 - :mod:`rqlib.models`, :mod:`rqlib.data`, :mod:`rqlib.eval`  models, corpora, evaluation
+- :mod:`rqlib.capture`    record the queries, keys and values every attention layer sees
+- :mod:`rqlib.theory`     closed forms the book checks the library against
+- :mod:`rqlib.provenance`, :mod:`rqlib.results`, :mod:`rqlib.sweep`  what chapters record,
+  where results go, and papermill sweeps over a chapter
 """
 
 __version__ = "0.1.0"

@@ -175,19 +175,28 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return usage
 
 
-def compile_one(kernel, spec: Specialization, arch: int) -> dict:
-    """Compile ``spec`` for sm_``arch``; returns a JSON-able record (ok, regs, shared, ...)."""
+def compile_kernel(kernel, spec: Specialization, arch: int):
+    """``triton.compile`` ``spec`` of ``kernel`` (a JITFunction) for sm_``arch``, no GPU needed.
+
+    Returns Triton's CompiledKernel: ``.asm`` holds ``ttir``, ``ttgir``, ``llir``, ``ptx`` and
+    ``cubin``, ``.metadata`` the launch metadata (``shared``: dynamic shared memory in bytes).
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constexprs = {**spec.constexprs, **{name: 1 for name in spec.ones}}
     source = ASTSource(fn=kernel, signature=signature(kernel, spec), constexprs=constexprs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec.num_warps}
+    )
+
+
+def compile_one(kernel, spec: Specialization, arch: int) -> dict:
+    """Compile ``spec`` for sm_``arch``; returns a JSON-able record (ok, regs, shared, ...)."""
     record = {"kernel": spec.label, "arch": f"sm_{arch}"}
     try:
-        compiled = triton.compile(
-            source, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec.num_warps}
-        )
+        compiled = compile_kernel(kernel, spec, arch)
     except Exception as error:  # noqa: BLE001 - reported, the test fails on it
         record.update(ok=False, error=f"{type(error).__name__}: {error}"[:2000])
         return record
