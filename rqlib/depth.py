@@ -7,8 +7,9 @@ comes from the rest of rqlib:
 - the quantizers are those of the compressed cache itself (:func:`key_quantizers` reads them
   out of :func:`rqlib.hf.build_cache`), so a per-layer number and the all-layers run of
   :func:`residual_stream_errors` use the same rotations, codebooks and sketches;
-- estimated scores come from :func:`rqlib.kernels.fused_scores` (the Triton kernel on CUDA,
-  its torch reference elsewhere).
+- estimated scores come from :func:`rqlib.hf.scores.estimate_scores`, the cache's own
+  estimator (:func:`rqlib.kernels.fused_scores` on CUDA for the head dims the Triton kernels
+  support, the torch estimator elsewhere).
 
 Per layer (:func:`layer_errors`), over every causal query/key pair ``j <= i`` of every head,
 with ``s = scaling * <q, k>`` the exact logit and ``ŝ`` its estimate:
@@ -134,7 +135,7 @@ def layer_errors(
         quantizer: a :class:`rqlib.quantizers.Quantizer` for dimension ``d``.
         scaling: the layer's logit scale (usually ``d ** -0.5``).
     """
-    from rqlib.kernels import fused_scores
+    from rqlib.hf.scores import estimate_scores
 
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_4d(name, t)
@@ -150,7 +151,7 @@ def layer_errors(
     keys_full = expand_kv_heads(key.float(), q_heads)
     values_full = expand_kv_heads(value.float(), q_heads)
     exact = scaling * (query @ keys_full.transpose(-1, -2))
-    estimate = fused_scores(query.contiguous(), quantizer.quantize(key), scale=float(scaling))
+    estimate = scaling * estimate_scores(query, quantizer.quantize(key))
     mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
     slope, bias_var, noise_var = score_statistics(exact[..., mask], estimate[..., mask])
 
@@ -174,10 +175,10 @@ def key_quantizers(model: torch.nn.Module, config) -> list:
 
     if isinstance(config, str):
         config = CompressionConfig.parse(config)
-    if config.needs_calibration or config.exact_layers:
+    if config.needs_calibration or config.exact_layers or config.norm_correction:
         raise ValueError(
             f"{config.spec()!r}: per-layer measurements need a plain config (no centering, "
-            "outlier channels or exact layers)"
+            "outlier channels, norm correction or exact layers)"
         )
     cache = build_cache(model, config)
     quantizers = []
@@ -230,7 +231,9 @@ def measure_layers(
 
 
 def hidden_state_errors(reference: tuple, states: tuple) -> list[float]:
-    """Relative error ``‖h - h_ref‖ / ‖h_ref‖`` of each hidden state (all tokens together).
+    """Relative error ``‖h - h_ref‖ / ‖h_ref‖`` of each hidden state, per token, averaged
+    over tokens (so that a token with a huge residual norm, such as an attention sink's,
+    does not stand in for all of them).
 
     ``reference`` and ``states`` are the ``hidden_states`` tuples of two forward passes
     (``output_hidden_states=True``): entry 0 is the embeddings, entry ``l`` the residual
@@ -239,7 +242,8 @@ def hidden_state_errors(reference: tuple, states: tuple) -> list[float]:
     if len(reference) != len(states):
         raise ValueError(f"{len(reference)} reference states against {len(states)} states")
     return [
-        float((h.float() - r.float()).norm() / r.float().norm()) for r, h in zip(reference, states)
+        float(((h.float() - r.float()).norm(dim=-1) / r.float().norm(dim=-1)).mean())
+        for r, h in zip(reference, states)
     ]
 
 

@@ -211,7 +211,7 @@ def run_experiment(
     model_name: str,
     presets: list[str],
     *,
-    levers: list[str] | None = None,
+    levers: list[str] | dict[str, list[str]] | None = None,
     baselines: list[str] = (),
     corpus: str = "wikitext-2",
     tokens: int = 8192,
@@ -222,8 +222,9 @@ def run_experiment(
 ) -> dict:
     """Evaluate presets, their lever ablations and baselines in one :func:`evaluate` call.
 
-    ``levers`` are names from :data:`LEVERS` (``None``: all; ``[]``: presets only). Returns the
-    JSON-ready payload and writes it to ``json_path`` if given.
+    ``levers`` are names from :data:`LEVERS` (``None``: all; ``[]``: presets only), or a dict
+    preset -> names for different levers per preset (a preset missing from it gets none).
+    Returns the JSON-ready payload and writes it to ``json_path`` if given.
     """
     import torch
 
@@ -242,7 +243,8 @@ def run_experiment(
                 get_preset(preset),
             )
         )
-        for lever, config in ablation_configs(preset, levers):
+        chosen = levers.get(preset, []) if isinstance(levers, dict) else levers
+        for lever, config in ablation_configs(preset, chosen):
             fields = {
                 "role": "ablation",
                 "preset": preset,
@@ -290,7 +292,7 @@ def run_experiment(
             )
         rows.append(row)
     payload = {
-        "kind": "presets" if levers == [] else "ablation",
+        "kind": "ablation" if any(row["role"] == "ablation" for row in rows) else "presets",
         "command": " ".join(["python -m rqlib.experiments", *sys.argv[1:]])
         if Path(sys.argv[0]).stem in ("experiments", "__main__")
         else None,
@@ -351,11 +353,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="lever names, 'none' for presets only (default: all)",
     )
+    parser.add_argument(
+        "--preset-levers",
+        action="append",
+        default=[],
+        metavar="PRESET=LEVER,LEVER",
+        help="levers for one preset (repeatable); overrides --levers for the presets it names",
+    )
     parser.add_argument("--baseline", action="append", default=[], metavar="SPEC")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     levers = [] if args.levers == ["none"] else args.levers
+    if args.preset_levers:
+        per_preset = {name: (list(LEVERS) if levers is None else levers) for name in args.presets}
+        for item in args.preset_levers:
+            name, _, names = item.partition("=")
+            if name not in args.presets:
+                raise SystemExit(f"--preset-levers names {name!r}, which is not in --presets")
+            per_preset[name] = [lever for lever in names.split(",") if lever]
+        levers = per_preset
     payload = run_experiment(
         args.model,
         args.presets,

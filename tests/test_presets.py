@@ -103,7 +103,7 @@ def test_presets_run_and_rq35_beats_plain_turboquant_token_by_token(rng):
     from rqlib.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
-    corpus = tokenize_corpus(load_corpus("wikitext-2"), tokenizer, 20000)
+    corpus = tokenize_corpus(load_corpus("wikitext-2"), tokenizer, 4096)
     start = int(torch.randint(0, corpus.numel() - 320, (1,), generator=rng))
     ids = corpus[start : start + 320][None]
     with torch.no_grad():

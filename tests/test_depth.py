@@ -1,0 +1,214 @@
+"""Tests of rqlib.depth: the per-layer measurements against independent oracles, and the
+residual-stream run on a tiny random Llama."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rqlib.depth import (
+    causal_mask,
+    expand_kv_heads,
+    hidden_state_errors,
+    key_quantizers,
+    layer_errors,
+    measure_layers,
+    next_token_kl,
+    residual_stream_errors,
+    row_kl,
+    score_statistics,
+)
+from rqlib.quantizers import make_quantizer
+from rqlib.theory import mse_shrinkage
+
+# float32 sums over ~1e4 products of O(1) numbers: relative rounding ~1e-6; 1e-4 leaves room
+# for the different summation orders of the oracles below.
+TOL = 1e-4
+
+
+def tiny_llama(rng: torch.Generator, layers: int = 2) -> LlamaForCausalLM:
+    """A random Llama with 4 query heads on 2 KV heads of dimension 16 (no download)."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        initializer_range=0.2,  # peaked attention and next-token distributions, unlike 0.02
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def qkv(rng: torch.Generator, tokens: int = 24, heads: int = 4, kv: int = 2, d: int = 16):
+    """Random query, key and value tensors shaped as transformers passes them."""
+    shape_q, shape_kv = (1, heads, tokens, d), (1, kv, tokens, d)
+    return (
+        torch.randn(shape_q, generator=rng),
+        torch.randn(shape_kv, generator=rng),
+        torch.randn(shape_kv, generator=rng),
+    )
+
+
+def test_causal_mask_is_lower_triangular_with_offset():
+    assert torch.equal(causal_mask(5, 5), torch.ones(5, 5).tril().bool())
+    # 2 new queries after 3 cached keys see keys 0..3 and 0..4
+    assert torch.equal(causal_mask(2, 5), torch.ones(5, 5).tril().bool()[3:])
+    with pytest.raises(ValueError, match="n_queries"):
+        causal_mask(6, 5)
+
+
+def test_expand_kv_heads_maps_query_head_to_its_group(rng):
+    _, key, _ = qkv(rng, heads=6, kv=3)
+    expanded = expand_kv_heads(key, 6)
+    for head in range(6):
+        assert torch.equal(expanded[:, head], key[:, head // 2])
+    with pytest.raises(ValueError, match="multiple"):
+        expand_kv_heads(key, 4)
+
+
+def test_row_kl_matches_torch_and_ignores_masked_entries(rng):
+    logits_p = torch.randn(7, 9, generator=rng)
+    logits_q = torch.randn(7, 9, generator=rng)
+    log_p, log_q = logits_p.log_softmax(-1), logits_q.log_softmax(-1)
+    expected = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    assert torch.allclose(row_kl(log_p, log_q), expected, atol=TOL)
+    assert torch.allclose(row_kl(log_p, log_p), torch.zeros(7), atol=TOL)
+    masked = torch.full((7, 3), float("-inf"))  # entries both distributions exclude
+    padded = row_kl(torch.cat([log_p, masked], -1), torch.cat([log_q, masked], -1))
+    assert torch.allclose(padded, expected, atol=TOL)
+
+
+def test_score_statistics_decomposes_the_error_variance(rng):
+    exact = torch.randn(5000, generator=rng, dtype=torch.float64)
+    true_slope = 0.5 + float(torch.rand(1, generator=rng))
+    noise = 0.3 * torch.randn(5000, generator=rng, dtype=torch.float64)
+    estimate = true_slope * exact + noise + 2.0  # an offset changes neither part
+    slope, bias_var, noise_var = score_statistics(exact, estimate)
+    # the decomposition is exact (OLS residual is orthogonal to the regressor)
+    assert bias_var + noise_var == pytest.approx(float((estimate - exact).var(False)), rel=1e-9)
+    # slope standard error ~ 0.3 / sqrt(5000) = 0.004; 0.03 is over 7 standard errors
+    assert slope == pytest.approx(true_slope, abs=0.03)
+    # noise variance 0.09 estimated from 5000 samples: relative sd sqrt(2/5000) = 2%; 15%
+    assert noise_var == pytest.approx(0.09, rel=0.15)
+    with pytest.raises(ValueError, match="constant"):
+        score_statistics(torch.ones(10), torch.randn(10, generator=rng))
+
+
+@pytest.mark.parametrize("method", ["turboquant-mse", "turboquant-prod", "rotorquant-mse"])
+def test_layer_errors_match_an_sdpa_oracle_on_dequantized_keys(rng, method):
+    query, key, value = qkv(rng)
+    quantizer = make_quantizer(method, 16, 3, seed=int(torch.randint(0, 1000, (1,), generator=rng)))
+    scaling = 16**-0.5
+    errors = layer_errors(query, key, value, quantizer, scaling)
+
+    # oracle: dequantized keys (which include the QJL term) through independent torch code
+    key_hat = quantizer.dequantize(quantizer.quantize(key))
+    k_full, k_hat_full, v_full = (t.repeat_interleave(2, dim=1) for t in (key, key_hat, value))
+    mask = torch.ones(24, 24).tril().bool()
+    exact = (scaling * query @ k_full.transpose(-1, -2))[..., mask].numpy().ravel()
+    approx = (scaling * query @ k_hat_full.transpose(-1, -2))[..., mask].numpy().ravel()
+    assert errors.slope == pytest.approx(np.polyfit(exact, approx, 1)[0], abs=TOL)
+    residual = approx - errors.slope * exact
+    assert errors.noise_var == pytest.approx(residual.var(), rel=1e-3)
+
+    out = F.scaled_dot_product_attention(query, k_full, v_full, is_causal=True, scale=scaling)
+    out_hat = F.scaled_dot_product_attention(
+        query, k_hat_full, v_full, is_causal=True, scale=scaling
+    )
+    assert errors.output_error == pytest.approx(
+        float((out_hat - out).norm() / out.norm()), rel=1e-3
+    )
+    assert errors.attention_kl > 0
+
+
+def test_mse_slope_on_random_keys_is_the_predicted_shrinkage(rng):
+    # isotropic keys and queries: the pooled slope estimates 1 - D (chapter 1). Over 40 seeds
+    # its deviation from 1 - D had sd 0.0011 for MSE and 0.0022 for prod (QJL adds noise);
+    # the tolerances are about 5 sd (two-sided p < 1e-6 each), well below the gap 1 - (1 - D)
+    # = 0.034 that tells a biased estimator from an unbiased one.
+    query, key, value = qkv(rng, tokens=256, heads=8, kv=4, d=64)
+    seed = int(torch.randint(0, 999, (1,), generator=rng))
+    quantizer = make_quantizer("turboquant-mse", 64, 3, seed=seed)
+    errors = layer_errors(query, key, value, quantizer, 0.125)
+    assert errors.slope == pytest.approx(mse_shrinkage(quantizer.codebook.distortion), abs=0.006)
+    prod = make_quantizer("turboquant-prod", 64, 3, seed=seed)
+    assert layer_errors(query, key, value, prod, 0.125).slope == pytest.approx(1.0, abs=0.012)
+
+
+def test_layer_errors_rejects_bad_input(rng):
+    query, key, value = qkv(rng)
+    quantizer = make_quantizer("turboquant-mse", 16, 3)
+    with pytest.raises(ValueError, match="scaling"):
+        layer_errors(query, key, value, quantizer, -1.0)
+    with pytest.raises(ValueError, match="tokens"):
+        layer_errors(query, key[:, :, :5], value[:, :, :5], quantizer, 0.25)
+    with pytest.raises(ValueError, match="head_dim"):
+        layer_errors(query[0], key, value, quantizer, 0.25)
+
+
+def test_key_quantizers_are_the_cache_quantizers_and_refuse_non_plain_configs(rng):
+    model = tiny_llama(rng, layers=3)
+    quantizers = key_quantizers(model, "turboquant-prod:k3:qjl=orthogonal")
+    assert len(quantizers) == 3
+    assert all(q.method == "turboquant-prod" and q.qjl_sketch == "orthogonal" for q in quantizers)
+    # one rotation per layer, as in the cache
+    assert not torch.allclose(quantizers[0].rotation.matrix, quantizers[1].rotation.matrix)
+    for spec in ("turboquant-mse:k3:nc", "turboquant-mse:k3:exact=0"):
+        with pytest.raises(ValueError, match="plain config"):
+            key_quantizers(model, spec)
+
+
+def test_measure_layers_gives_one_row_per_layer_and_method(rng):
+    from rqlib.capture import capture_attention
+
+    model = tiny_llama(rng, layers=2)
+    ids = torch.randint(0, 64, (1, 20), generator=rng)
+    with torch.no_grad(), capture_attention(model) as captured:
+        model(ids)
+    configs = {"mse": "turboquant-mse:k4", "prod": "turboquant-prod:k4"}
+    frame = measure_layers(model, captured, configs, progress=False)
+    assert sorted(zip(frame.method, frame.layer)) == sorted(
+        (m, layer) for m in configs for layer in (0, 1)
+    )
+    assert frame.attention_kl.gt(0).all() and frame.output_error.gt(0).all()
+    with pytest.raises(ValueError, match="empty"):
+        measure_layers(model, captured, {}, progress=False)
+
+
+def test_residual_stream_is_exact_when_every_layer_is_exact_and_not_otherwise(rng):
+    model = tiny_llama(rng, layers=2)
+    ids = torch.randint(0, 64, (24,), generator=rng)
+    configs = {"exact": "turboquant-mse:k2:exact=0,1", "k2": "turboquant-mse:k2"}
+    stream, final = residual_stream_errors(model, ids, configs, progress=False)
+    exact = stream[stream.method == "exact"]
+    assert list(exact.layer) == [0, 1]
+    # exact layers go through the cache's own attention code, not sdpa: float32 rounding only
+    assert exact.hidden_error.max() < 1e-5
+    rows = final.set_index("method")
+    assert abs(rows.loc["exact", "next_token_kl"]) < 1e-6 and rows.loc["exact", "top1"] == 1.0
+    assert stream[stream.method == "k2"].hidden_error.min() > 1e-4
+    # with initializer_range 0.2 a 2-bit cache moves the KL to ~0.5 nats (seen 0.44-0.62 over
+    # five seeds); 1e-3 is far below that and far above the exact run's rounding (~1e-8)
+    assert rows.loc["k2", "next_token_kl"] > 1e-3
+
+
+def test_hidden_state_errors_and_next_token_kl(rng):
+    states = tuple(torch.randn(1, 5, 8, generator=rng) for _ in range(3))
+    noisy = tuple(s + 0.1 * torch.randn(s.shape, generator=rng) for s in states)
+    errors = hidden_state_errors(states, noisy)
+    per_token = [((n - s).norm(dim=-1) / s.norm(dim=-1)).mean() for s, n in zip(states, noisy)]
+    assert errors == pytest.approx([float(e) for e in per_token], rel=1e-5)
+    assert hidden_state_errors(states, states) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="reference states"):
+        hidden_state_errors(states, states[:2])
+    logits = torch.randn(1, 5, 11, generator=rng)
+    assert next_token_kl(logits, logits) == pytest.approx(0.0, abs=1e-6)
+    assert next_token_kl(logits, logits + torch.randn(logits.shape, generator=rng)) > 0
+    assert not math.isnan(next_token_kl(logits, 2 * logits))
