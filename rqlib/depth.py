@@ -16,6 +16,7 @@ with ``s = scaling * <q, k>`` the exact logit and ``ŝ`` its estimate:
 
 - ``slope``: the least-squares slope of ``ŝ`` on ``s``; 1 means unbiased, the MSE estimator's
   shrinkage makes it smaller (:func:`rqlib.theory.mse_shrinkage`);
+- ``logit_var``: ``Var(s)``, the spread of the exact logits;
 - ``bias_var`` and ``noise_var``: ``Var(ŝ - s)`` split exactly into the part a rescaling would
   remove, ``(1 - slope)^2 Var(s)``, and what is left, ``Var(ŝ - slope s)`` (the two add up
   because the regression residual is uncorrelated with ``s``);
@@ -52,6 +53,7 @@ class LayerErrors:
     """The errors one quantizer makes in one attention layer (see the module docstring)."""
 
     slope: float
+    logit_var: float
     bias_var: float
     noise_var: float
     attention_kl: float
@@ -128,6 +130,9 @@ def layer_errors(
 ) -> LayerErrors:
     """Compress ``key`` with ``quantizer`` and measure the errors of one causal attention layer.
 
+    The attention is full causal attention over the given tokens (no sliding window, no
+    padding): the layers of SmolLM2 and Qwen2.5, not Gemma 3's sliding ones.
+
     Args:
         query: ``[B, H, S, d]`` (after RoPE, as :mod:`rqlib.capture` records it).
         key: ``[B, KV, S, d]``; compressed here.
@@ -161,7 +166,8 @@ def layer_errors(
     out_exact = log_p.exp() @ values_full
     out_estimate = log_q.exp() @ values_full
     output_error = float((out_estimate - out_exact).norm() / out_exact.norm())
-    return LayerErrors(slope, bias_var, noise_var, kl, output_error)
+    logit_var = float(exact[..., mask].double().var(unbiased=False))
+    return LayerErrors(slope, logit_var, bias_var, noise_var, kl, output_error)
 
 
 def key_quantizers(model: torch.nn.Module, config) -> list:

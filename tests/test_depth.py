@@ -115,6 +115,7 @@ def test_layer_errors_match_an_sdpa_oracle_on_dequantized_keys(rng, method):
     exact = (scaling * query @ k_full.transpose(-1, -2))[..., mask].numpy().ravel()
     approx = (scaling * query @ k_hat_full.transpose(-1, -2))[..., mask].numpy().ravel()
     assert errors.slope == pytest.approx(np.polyfit(exact, approx, 1)[0], abs=TOL)
+    assert errors.logit_var == pytest.approx(exact.var(), rel=1e-3)
     residual = approx - errors.slope * exact
     assert errors.noise_var == pytest.approx(residual.var(), rel=1e-3)
 
