@@ -237,7 +237,7 @@ class Quantizer:
         """Compress ``x [..., d]`` (float16/bfloat16/float32/float64; computed in float32)."""
         norms, y = self.rotated_unit(x)
         if self.mse_bits:
-            indices = torch.bucketize(y, self.boundaries.to(y.device)).to(torch.uint8)
+            indices = torch.bucketize(y.contiguous(), self.boundaries.to(y.device)).to(torch.uint8)
             codes = pack_bits(indices, self.mse_bits)
             c_hat = self.centroids.to(y.device)[indices.long()]
         else:

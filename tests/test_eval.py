@@ -92,7 +92,8 @@ def test_evaluate_runs_all_methods_on_the_same_windows(rng):
     assert fp.kl == 0 and fp.top1 == 1
     # everything exact: the same distribution up to fp32 rounding of the attention
     assert kept.perplexity == pytest.approx(fp.perplexity, rel=1e-5)
-    assert kept.kl < 1e-8 and kept.top1 == 1
+    # KL of two fp32 log-softmaxes that differ by rounding only (~1e-7 per entry)
+    assert kept.kl < 1e-6 and kept.top1 == 1
     assert compressed.kl > 0  # 1-bit keys and values do change the distribution
     rows = [r.to_dict(fp.perplexity) for r in (fp, kept, compressed)]
     table = format_table(rows)
