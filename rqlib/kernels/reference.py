@@ -46,17 +46,17 @@ def fused_scores(
     [batch, kv_heads, kv_len]. No mask is applied.
     """
     qz = keys.quantizer
-    group = q.shape[1] // keys.shape[1]
-    matrix = qz.rotation.matrix.to(q.device, dtype)
-    q_rot = q.to(dtype) @ matrix.T  # [B, QH, Lq, D]
-    k_hat = _expand_group(decoded_rotated(keys, dtype), group)  # [B, QH, S, D]
-    scores = q_rot @ k_hat.transpose(-1, -2)
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    # query head h reads kv head h // group: fold each group into the query axis
+    grouped = q.to(dtype).reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, dim)
+    q_rot = grouped @ qz.rotation.matrix.to(q.device, dtype).T  # [B, KV, G*Lq, D]
+    scores = q_rot @ decoded_rotated(keys, dtype).transpose(-1, -2)
     if qz.has_qjl:
         q_sketch = q_rot @ qz.sketch.to(q.device, dtype).T
-        signs = _expand_group(signs_pm1(keys, dtype), group)
-        weight = _expand_group(keys.residual_norms.to(dtype), group) * qz.qjl_scale
-        scores = scores + (q_sketch @ signs.transpose(-1, -2)) * weight[:, :, None, :]
-    return scores * scale
+        weight = keys.residual_norms.to(dtype)[:, :, None, :] * qz.qjl_scale
+        scores = scores + (q_sketch @ signs_pm1(keys, dtype).transpose(-1, -2)) * weight
+    return scores.reshape(batch, q_heads, q_len, kv_len) * scale
 
 
 def dequantize_values(values, dtype: torch.dtype = torch.float32) -> torch.Tensor:
