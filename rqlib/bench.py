@@ -158,6 +158,13 @@ def check_on_gpu(args, device, length: int = 1000) -> None:
     triton_keys = kernels.quantize(key_qz, k)
     codes_equal = torch.equal(triton_keys.codes, keys.codes)
     values = value_qz.quantize(v)
+    exact_tokens = dict(
+        scale=0.1,
+        sink_keys=k[:, :, :4],
+        sink_values=v[:, :, :4],
+        recent_keys=k[:, :, -64:],
+        recent_values=v[:, :, -64:],
+    )
     checks = {
         "fused_scores": (
             kernels.fused_scores(q, keys, scale=0.1),
@@ -172,27 +179,8 @@ def check_on_gpu(args, device, length: int = 1000) -> None:
             ),
         ),
         "decode packed V + exact": (
-            kernels.decode_attention(
-                q,
-                keys,
-                values,
-                scale=0.1,
-                sink_keys=k[:, :, :4],
-                sink_values=v[:, :, :4],
-                recent_keys=k[:, :, -64:],
-                recent_values=v[:, :, -64:],
-            ),
-            kernels.decode_attention(
-                q,
-                keys,
-                values,
-                scale=0.1,
-                sink_keys=k[:, :, :4],
-                sink_values=v[:, :, :4],
-                recent_keys=k[:, :, -64:],
-                recent_values=v[:, :, -64:],
-                backend="torch",
-            ),
+            kernels.decode_attention(q, keys, values, **exact_tokens),
+            kernels.decode_attention(q, keys, values, **exact_tokens, backend="torch"),
         ),
     }
     print(f"GPU check: quantize codes bit-identical to torch: {codes_equal}")
