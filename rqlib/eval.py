@@ -132,6 +132,11 @@ def average_bits(config: CompressionConfig | None, model_config, context: int = 
             "mean": float(EXACT_BITS),
             "context": context,
         }
+    if config.budget is not None:
+        raise ValueError(
+            f"{config.label}: a config with a bit budget (alloc=) must be resolved against its "
+            "model first (rqlib.allocation.resolve)"
+        )
     exact = config.exact_layer_set(n_layers)
     sink = min(config.n_sink, context) / context
     recent = min(config.recent_window, context) / context
@@ -147,6 +152,8 @@ def average_bits(config: CompressionConfig | None, model_config, context: int = 
         key += EXACT_BITS * (sink + recent)
         if config.center_keys:
             key += EXACT_BITS / context  # one calibrated mean vector per head
+        if config.scale_keys:
+            key += EXACT_BITS / context  # one calibrated channel-scale vector per head
         if config.key_outliers:
             key += 8 * config.key_outliers / (head_dim * context)  # channel indices per head
         value_bits = config.value_bits_of(layer)
@@ -159,6 +166,8 @@ def average_bits(config: CompressionConfig | None, model_config, context: int = 
             value += EXACT_BITS * (sink + recent)
             if config.value_outliers:
                 value += 8 * config.value_outliers / (head_dim * context)
+            if config.scale_values:
+                value += EXACT_BITS / context  # one channel-scale vector per head
         key_total += key
         value_total += value
     key_bits, value_bits = key_total / n_layers, value_total / n_layers
@@ -248,6 +257,10 @@ def evaluate(
             raise TypeError(
                 f"methods must be CompressionConfig objects, got {type(config).__name__}"
             )
+    from rqlib.allocation import resolve
+
+    # budgets (alloc=) become per-layer bits for this model before anything is counted
+    methods = [resolve(config, model, tokenizer, context=context) for config in methods]
     model_config = model.config
     results = [
         MethodResult(

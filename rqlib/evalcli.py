@@ -20,6 +20,9 @@ rotorquant-mse, rotorquant-prod, or preset:NAME[:TOKEN]...; TOKENs:
   sink1           first N tokens exact          win32   W most recent tokens exact (per query)
   exact=0,-1      layers kept exact (negative: from the end)
   ctr             per-head key centering, mean calibrated on pydoc (never the eval text)
+  ks / vs         key / value channel scaling by calibrated query / o_proj energies
+  alloc=3.5       per-layer K and V bits chosen from measured sensitivity (rqlib.allocation)
+                  so that the average bits are at most 3.5; the presets use it
   ko32 / vo32 / out32   K / V / both outlier channels (calibrated) at +1 bit; obits=2
   nc              norm correction (least-squares scale; -mse methods)
   rot=dense|hadamard|rotor|none   qjl=gaussian|orthogonal   m=128 (QJL rows)

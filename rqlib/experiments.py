@@ -81,10 +81,19 @@ def _without_norm_correction(c: CompressionConfig) -> CompressionConfig | None:
     return c.replace(norm_correction=False) if c.norm_correction else None
 
 
-def _without_layer_bits(c: CompressionConfig) -> CompressionConfig | None:
+def _without_allocation(c: CompressionConfig) -> CompressionConfig | None:
+    """Uniform bits instead of per-layer ones: the allocation's mean code bits, rounded down."""
     if not (c.layer_key_bits or c.layer_value_bits):
         return None
-    return c.replace(layer_key_bits=(), layer_value_bits=())
+    if any(bits is None for _, bits in c.layer_value_bits) or c.value_bits is None:
+        return None
+    keys = dict(c.layer_key_bits)
+    values = dict(c.layer_value_bits)
+    layers = set(keys) | set(values)
+    n_layers = max(layers) + 1
+    total = sum(keys.get(i, c.key_bits) + values.get(i, c.value_bits) for i in range(n_layers))
+    uniform = max(1, total // (2 * n_layers))
+    return c.replace(key_bits=uniform, value_bits=uniform, layer_key_bits=(), layer_value_bits=())
 
 
 def _kv_swapped(c: CompressionConfig) -> CompressionConfig | None:
@@ -128,6 +137,14 @@ def _with_key_outliers(c: CompressionConfig) -> CompressionConfig | None:
     return None if c.key_outliers else c.replace(key_outliers=8)
 
 
+def _with_key_scaling(c: CompressionConfig) -> CompressionConfig | None:
+    return None if c.scale_keys else c.replace(scale_keys=True)
+
+
+def _wider_window(c: CompressionConfig) -> CompressionConfig | None:
+    return c.replace(recent_window=2 * c.recent_window) if c.recent_window else None
+
+
 def _with_first_layer_exact(c: CompressionConfig) -> CompressionConfig | None:
     return None if c.exact_layers else c.replace(exact_layers=(0,))
 
@@ -139,7 +156,12 @@ LEVERS: dict[str, Lever] = {
         Lever("sink", "removed", "first token no longer exact", _without_sink),
         Lever("recent-window", "removed", "no exact recent band", _without_window),
         Lever("norm-correction", "removed", "plain fp16 norms", _without_norm_correction),
-        Lever("layer-bits", "removed", "no per-layer extra bits (uniform)", _without_layer_bits),
+        Lever(
+            "allocation",
+            "removed",
+            "uniform bits (the allocation's mean, rounded down) instead of per-layer ones",
+            _without_allocation,
+        ),
         Lever("kv-asymmetry", "swapped", "key and value bits exchanged", _kv_swapped),
         Lever(
             "rot-hadamard", "swapped", "randomized Hadamard instead of dense", _rotation("hadamard")
@@ -151,17 +173,35 @@ LEVERS: dict[str, Lever] = {
         ),
         Lever("key-outliers", "added", "8 calibrated key channels at +1 bit", _with_key_outliers),
         Lever("layer0-exact", "added", "layer 0 kept exact", _with_first_layer_exact),
+        Lever(
+            "key-scaling",
+            "added",
+            "key channels weighted by (query / key energy)^1/4 (ks)",
+            _with_key_scaling,
+        ),
+        Lever("window-x2", "swapped", "recent exact band twice as wide", _wider_window),
     )
 }
 
 
 def ablation_configs(
-    preset: str, levers: list[str] | None = None
+    preset: str, levers: list[str] | None = None, base: CompressionConfig | None = None
 ) -> list[tuple[Lever, CompressionConfig]]:
-    """``(lever, changed config)`` for each applicable lever of ``levers`` (default: all)."""
+    """``(lever, changed config)`` for each applicable lever of ``levers`` (default: all).
+
+    ``base`` is the preset's config; pass it resolved against the model when the preset has a
+    bit budget (``alloc=``), so that every lever changes one thing and keeps the per-layer bits
+    (a lever applied to the budget instead would need a new sensitivity table per lever).
+    """
     from rqlib.presets import get_preset
 
-    base = get_preset(preset)
+    if base is None:
+        base = get_preset(preset)
+    if base.budget is not None and levers != []:
+        raise ValueError(
+            f"resolve preset {preset!r} against its model first "
+            "(rqlib.allocation.resolve): levers apply to its per-layer bits"
+        )
     names = list(LEVERS) if levers is None else levers
     unknown = [name for name in names if name not in LEVERS]
     if unknown:
@@ -228,6 +268,7 @@ def run_experiment(
     """
     import torch
 
+    from rqlib.allocation import resolve
     from rqlib.data import load_corpus, tokenize_corpus
     from rqlib.eval import evaluate
     from rqlib.models import load_model
@@ -235,16 +276,19 @@ def run_experiment(
 
     if not presets and not baselines:
         raise ValueError("give at least one preset or baseline")
+    started = time.time()
+    model, tokenizer = load_model(model_name)
     plan: list[tuple[dict, CompressionConfig]] = []
     for preset in presets:
+        resolved = resolve(get_preset(preset), model, tokenizer, context=context)
         plan.append(
             (
                 {"role": "preset", "preset": preset, "lever": None, "change": None},
-                get_preset(preset),
+                resolved,
             )
         )
         chosen = levers.get(preset, []) if isinstance(levers, dict) else levers
-        for lever, config in ablation_configs(preset, chosen):
+        for lever, config in ablation_configs(preset, chosen, resolved):
             fields = {
                 "role": "ablation",
                 "preset": preset,
@@ -260,9 +304,7 @@ def run_experiment(
     if len(set(labels)) != len(labels):
         raise ValueError(f"duplicate configs in the plan: {labels}")
 
-    started = time.time()
     text = load_corpus(corpus)
-    model, tokenizer = load_model(model_name)
     ids = tokenize_corpus(text, tokenizer, tokens)
     results = evaluate(
         model,
@@ -302,7 +344,12 @@ def run_experiment(
         "tokens": int(ids.numel()),
         "window": window,
         "context_for_bits": context,
-        "calibration": {"corpus": "pydoc", "tokens": 2048, "used_for": "key means (ctr), outliers"},
+        "calibration": {
+            "corpus": "pydoc",
+            "tokens": 2048,
+            "used_for": "key means (ctr), outliers, channel scales; per-layer bits (alloc=) from "
+            "a sensitivity table measured on the pydoc tokens after those",
+        },
         "torch_threads": torch.get_num_threads(),
         "seconds": round(time.time() - started, 1),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

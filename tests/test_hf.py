@@ -22,7 +22,7 @@ from transformers import (
 from rqlib.hf import CompressionConfig, build_cache, compress
 from rqlib.hf.attention import ACTIVE
 from rqlib.hf.cache import CompressedLayer
-from rqlib.hf.codec import ChannelPart, VectorCodec
+from rqlib.hf.codec import ChannelPart, VectorCodec, key_channel_scale, value_channel_scale
 from rqlib.quantizers import make_quantizer
 
 VOCAB = 256
@@ -253,6 +253,65 @@ def test_centering_and_outliers_are_exact_in_the_score(rng):
     assert (decoded - keys).abs().max().item() < 0.2
 
 
+def test_channel_scaling_is_divided_out_in_scores_and_decode(rng):
+    # <q, k> = <q / a, a * (k - mu)> + <q, mu>: the score path must equal q . decode(k) for any
+    # bit width (same codes, two algebraically equal routes), and at 8 bits both must be close
+    # to the exact keys.
+    dim, kv_heads = 32, 2
+    mean = torch.randn(kv_heads, dim, generator=rng)
+    scale = torch.exp(0.5 * torch.randn(kv_heads, dim, generator=rng))
+    keys = torch.randn(1, kv_heads, 12, dim, generator=rng) * 2 + mean[None, :, None, :]
+    q = torch.randn(1, 4, 3, dim, generator=rng)
+    exact = torch.einsum("bhld,bhsd->bhls", q, keys.repeat_interleave(2, 1))
+    for bits, check_exact in ((2, False), (8, True)):
+        codec = VectorCodec(
+            [ChannelPart(make_quantizer("turboquant-mse", dim, bits, seed=seed_of(rng)), None)],
+            dim,
+            mean=mean,
+            scale=scale,
+        )
+        compressed = codec.encode(keys)
+        decoded = codec.decode(compressed)
+        via_decode = torch.einsum("bhld,bhsd->bhls", q, decoded.repeat_interleave(2, 1))
+        # fp32, two summation orders over 32 channels of magnitude <~ 50: 1e-3 absolute
+        assert torch.allclose(codec.scores(q, compressed), via_decode, atol=1e-3, rtol=1e-4)
+        if check_exact:
+            # 8 bits: D ~ 4e-5, so the score error is ~1e-2 of |q| |a k| / sqrt(d), amplified
+            # by at most ~e^1.5 through 1/a; 5% of the largest score bounds it with margin
+            bound = 0.05 * exact.abs().max().item()
+            assert (via_decode - exact).abs().max().item() < bound
+    with pytest.raises(ValueError, match="positive"):
+        VectorCodec(codec.parts, dim, scale=-scale)
+
+
+def test_balanced_channel_scale_minimises_the_weighted_error(rng):
+    # With errors isotropic in the scaled space, the weighted error is proportional to
+    # f(a) = sum(w / a^2) * sum(a^2 e); the scale must reach Cauchy-Schwarz's minimum
+    # (sum sqrt(w e))^2 and beat random perturbations of itself.
+    kv_heads, dim = 3, 16
+    w = torch.exp(2 * torch.randn(kv_heads, dim, generator=rng))
+    e = torch.exp(2 * torch.randn(kv_heads, dim, generator=rng))
+    a = key_channel_scale(w, e).double()
+
+    def f(a):
+        return (w.double() / a**2).sum(-1) * (a**2 * e.double()).sum(-1)
+
+    bound = (w.double() * e.double()).sqrt().sum(-1) ** 2
+    assert torch.allclose(f(a), bound, rtol=1e-5)
+    assert torch.allclose(a.log().mean(-1), torch.zeros(kv_heads, dtype=torch.float64), atol=1e-5)
+    for _ in range(20):
+        perturbed = a * torch.exp(0.3 * torch.randn(kv_heads, dim, generator=rng)).double()
+        assert (f(perturbed) >= f(a) * (1 - 1e-6)).all()
+    # value scale: o_proj [hidden, H * d] with H = 2 heads per KV head; columns summed per group
+    weight = torch.randn(24, kv_heads * 2 * dim, generator=rng)
+    columns = weight.pow(2).sum(0).reshape(kv_heads, 2, dim).sum(1)
+    assert torch.allclose(value_channel_scale(weight, e), key_channel_scale(columns, e), rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple"):
+        value_channel_scale(torch.randn(8, 50), e)
+    with pytest.raises(ValueError, match="same shape"):
+        key_channel_scale(w[:, :8], e)
+
+
 def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
     torch.manual_seed(seed_of(rng))
     config = LlamaConfig(
@@ -348,6 +407,7 @@ def test_model_without_attention_interface_is_refused():
         ("turboquant-prod:k3:nc", "norm_correction"),
         ("turboquant-mse:k3:calib=wikitext-2", "evaluation corpus"),
         ("turboquant-mse:k3:vo8", "value_outliers needs"),
+        ("turboquant-mse:k3:vs", "scale_values needs"),
         ("preset:nonexistent", "unknown preset"),
         ("", "non-empty"),
     ],
@@ -387,6 +447,8 @@ LEVERS = [
     "sink2",
     "win4",
     "ctr",
+    "ks",
+    "vs",
     "ko4",
     "vo4",
     "seed=3",
@@ -437,6 +499,17 @@ def test_calibration_picks_means_and_outlier_channels_from_the_calibration_corpu
         others = energy[head][~torch.isin(torch.arange(energy.shape[1]), outliers[head])]
         assert chosen.min() >= others.max()
     assert layer.value_codec.parts[0].channels.shape == (2, 3)
+    # query energies: mean q^2 per channel over the heads of each KV group, first token of the
+    # chunk left out, as recorded by the capture (300 tokens = one chunk)
+    from rqlib.capture import capture_attention
+    from rqlib.data import load_corpus, tokenize_corpus
+
+    ids = tokenize_corpus(load_corpus("pydoc"), ByteTokenizer(), 300)
+    with torch.no_grad(), capture_attention(model) as captured:
+        model(ids[None])
+    q = captured.calls[1][-1].query[0, :, 1:].double()  # [H, S-1, d]
+    expected = q.pow(2).reshape(2, -1, q.shape[-1]).mean(1)
+    assert torch.allclose(calibration.query_energy[1].double(), expected, rtol=1e-4)
     assert layer.key_codec.parts[0].quantizer.bits == 3  # outliers at +1 bit
     with pytest.raises(ValueError, match="needs a calibration"):
         build_cache(model, config)

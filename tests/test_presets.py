@@ -1,9 +1,10 @@
 """The presets of rqlib.presets and the experiment runner of rqlib.experiments.
 
-Fast tests check the table (every preset parses, its honest average bits fit the budget in its
-name on both packaged models' geometries, the ablation levers change what they claim) and the
-loader. The ``model`` test runs the presets on a few hundred tokens of SmolLM2 and checks that
-``rq-3.5`` beats plain TurboQuant at the same nominal bits, token by token.
+Fast tests check the table (every preset parses, its bits allocated from each shipped
+sensitivity table fit the budget in its name on that model's geometry, the ablation levers
+change what they claim) and the loader. The ``model`` tests check that the shipped SmolLM2 table
+belongs to the packaged model, run the presets on a few hundred tokens of SmolLM2 and check
+that ``rq-3.5`` beats plain TurboQuant at the same nominal bits, token by token.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 from scipy.stats import binomtest
 from transformers import Gemma3TextConfig, LlamaConfig
 
+from rqlib import allocation
 from rqlib.eval import average_bits
 from rqlib.experiments import LEVERS, ablation_configs, load_ablation
 from rqlib.hf import CompressionConfig, compress
-from rqlib.presets import PRESETS, TARGETS, budget_of, get_preset
+from rqlib.presets import HANDMADE, PRESETS, TARGETS, budget_of, get_preset
 
 # The two packaged models' attention geometry (rqlib.models.PACKAGED_MODELS), built without
 # loading weights: bits depend only on layers and head_dim.
@@ -32,16 +34,37 @@ GEOMETRIES = {
 }
 
 
+SHIPPED_TABLES = {"smollm2": "smollm2-135m.json", "gemma3": "gemma3-270m.json"}
+
+
+def shipped_table(geometry: str) -> allocation.Sensitivity:
+    """The sensitivity table shipped for a packaged model (rqlib/allocations/)."""
+    path = allocation.SHIPPED / SHIPPED_TABLES[geometry]
+    return allocation.Sensitivity.from_dict(json.loads(path.read_text()))
+
+
+def resolved_preset(name: str, geometry: str) -> CompressionConfig:
+    """A preset's per-layer bits for a packaged model, from its shipped table."""
+    return allocation.allocate(shipped_table(geometry), get_preset(name), GEOMETRIES[geometry])
+
+
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_bits_fit_the_budget_in_its_name(name, geometry):
     config = CompressionConfig.preset(name)
     assert config.label == f"preset:{name}"
     assert CompressionConfig.parse(f"preset:{name}") == config
-    bits = average_bits(config, GEOMETRIES[geometry], context=4096)
-    assert bits["mean"] <= budget_of(name)
+    assert config.budget == budget_of(name) == TARGETS[name].max_bits
+    table = shipped_table(geometry)
+    assert table.n_layers == GEOMETRIES[geometry].num_hidden_layers
+    assert table.base == allocation._base_of(config).spec()  # measured for this preset's base
+    resolved = resolved_preset(name, geometry)
+    bits = average_bits(resolved, GEOMETRIES[geometry], context=4096)
+    assert budget_of(name) - 0.05 < bits["mean"] <= budget_of(name)  # spent, not exceeded
     assert bits["key"] < 16 and bits["value"] < 16  # both K and V are compressed
-    assert TARGETS[name].max_bits == budget_of(name)
+    # the hand-made predecessors fit the same budgets
+    handmade = average_bits(CompressionConfig.parse(HANDMADE[name]), GEOMETRIES[geometry])
+    assert handmade["mean"] <= budget_of(name)
 
 
 def test_unknown_preset_and_bad_names_raise():
@@ -53,8 +76,10 @@ def test_unknown_preset_and_bad_names_raise():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_each_lever_changes_its_preset(name):
-    base = get_preset(name)
-    variants = ablation_configs(name)
+    with pytest.raises(ValueError, match="resolve preset"):
+        ablation_configs(name)
+    base = resolved_preset(name, "smollm2")
+    variants = ablation_configs(name, base=base)
     assert variants, "every preset has at least one applicable lever"
     for lever, config in variants:
         assert config != base, lever.name
@@ -64,8 +89,9 @@ def test_each_lever_changes_its_preset(name):
     # a preset that uses an ingredient gets a row without it
     assert ("centering" in removed) == base.center_keys
     assert ("recent-window" in removed) == bool(base.recent_window)
+    assert "allocation" in removed
     with pytest.raises(ValueError, match="unknown levers"):
-        ablation_configs(name, ["no-such-lever"])
+        ablation_configs(name, ["no-such-lever"], base)
     assert set(LEVERS) >= {lever.name for lever, _ in variants}
 
 
@@ -95,6 +121,16 @@ def _token_kl(model, ids, config, tokenizer, fp_log_probs) -> torch.Tensor:
     with torch.no_grad(), compress(model, config, tokenizer=tokenizer) as cache:
         log_probs = torch.log_softmax(model(ids, cache=cache).logits[0].float(), -1)
     return (fp_log_probs.exp() * (fp_log_probs - log_probs)).sum(-1)
+
+
+@pytest.mark.model
+def test_shipped_table_belongs_to_the_packaged_model():
+    from rqlib.models import load_model
+
+    model, _ = load_model("smollm2-135m")
+    assert shipped_table("smollm2").fingerprint == allocation.model_fingerprint(model)
+    found = allocation.find_sensitivity(model, get_preset("rq-3.5"))
+    assert found is not None and found.kl == shipped_table("smollm2").kl
 
 
 @pytest.mark.model

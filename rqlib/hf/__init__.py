@@ -27,7 +27,7 @@ import torch
 from rqlib.hf import attention
 from rqlib.hf.cache import CompressedCache, CompressedLayer
 from rqlib.hf.calibration import Calibration, calibrate, top_channels
-from rqlib.hf.codec import ChannelPart, VectorCodec
+from rqlib.hf.codec import ChannelPart, VectorCodec, key_channel_scale, value_channel_scale
 from rqlib.hf.config import METHODS, CompressionConfig
 
 __all__ = [
@@ -90,6 +90,7 @@ def _make_codec(
     mean: torch.Tensor | None,
     outliers: int,
     energy: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
 ) -> VectorCodec:
     from rqlib.quantizers import make_quantizer
 
@@ -112,6 +113,8 @@ def _make_codec(
     else:
         if not 0 < outliers < head_dim:
             raise ValueError(f"outlier channel count {outliers} must be in 1..{head_dim - 1}")
+        if scale is not None:  # outliers are chosen among the channels as quantized
+            energy = energy * scale * scale
         chosen = top_channels(energy, outliers)  # [KV, c]
         mask = torch.ones(energy.shape, dtype=torch.bool)
         mask.scatter_(-1, chosen, False)
@@ -122,7 +125,20 @@ def _make_codec(
             ),
             ChannelPart(quantizer(head_dim - outliers, bits, seed), rest),
         ]
-    return VectorCodec(parts, head_dim, mean=mean, norm_correction=config.norm_correction)
+    return VectorCodec(
+        parts, head_dim, mean=mean, norm_correction=config.norm_correction, scale=scale
+    )
+
+
+def _output_projection(module: torch.nn.Module) -> torch.nn.Linear:
+    """The attention output projection (``o_proj``) whose columns weight value errors."""
+    projection = getattr(module, "o_proj", None)
+    if not isinstance(projection, torch.nn.Linear):
+        raise ValueError(
+            f"value scaling (vs) needs the attention's output projection 'o_proj'; "
+            f"{type(module).__name__} has none"
+        )
+    return projection
 
 
 def build_cache(
@@ -143,6 +159,11 @@ def build_cache(
     ):
         if count and not 0 < count < head_dim:
             raise ValueError(f"{name}={count} must be below head_dim={head_dim}")
+    if config.budget is not None:
+        raise ValueError(
+            "a config with a bit budget (alloc=) must be resolved first: "
+            "rqlib.allocation.resolve(config, model, tokenizer), or use compress()"
+        )
     if config.needs_calibration and calibration is None:
         raise ValueError("this config needs a calibration (centering or outlier channels)")
     layers = []
@@ -151,6 +172,14 @@ def build_cache(
             layers.append(CompressedLayer(layer, None, None))
             continue
         base_seed = config.seed * 1_000_000 + layer * 10
+        key_energy = None
+        if config.needs_calibration:
+            key_energy = calibration.key_energy[layer]
+            if not config.center_keys:  # E[k^2] = E[(k - mu)^2] + mu^2
+                key_energy = key_energy + calibration.key_means[layer] ** 2
+        key_scale = None
+        if config.scale_keys:
+            key_scale = key_channel_scale(calibration.query_energy[layer], key_energy)
         key_codec = _make_codec(
             config,
             config.method,
@@ -159,11 +188,17 @@ def build_cache(
             base_seed + KEY_SEED,
             calibration.key_means[layer] if config.center_keys else None,
             config.key_outliers,
-            calibration.key_energy[layer] if config.key_outliers else None,
+            key_energy if config.key_outliers else None,
+            key_scale,
         )
         value_bits = config.value_bits_of(layer)
         value_codec = None
         if value_bits is not None:
+            value_scale = None
+            if config.scale_values:
+                value_scale = value_channel_scale(
+                    _output_projection(modules[layer]).weight, calibration.value_energy[layer]
+                )
             value_codec = _make_codec(
                 config,
                 config.value_method,
@@ -173,6 +208,7 @@ def build_cache(
                 None,
                 config.value_outliers,
                 calibration.value_energy[layer] if config.value_outliers else None,
+                value_scale,
             )
         layers.append(
             CompressedLayer(layer, key_codec, value_codec, config.n_sink, config.recent_window)
@@ -190,11 +226,13 @@ def compress(
     """Install a compressed cache on ``model`` for the duration of the block; yield the cache.
 
     ``config`` is a :class:`CompressionConfig` or a compact spec string. Configs with key
-    centering or outlier channels are calibrated first on ``config.calibration_corpus``
-    (never the evaluation text), with ``tokenizer`` (default: loaded from the model's
-    ``name_or_path``). Pass the yielded cache as ``past_key_values`` to ``forward`` or
-    ``generate``; call ``cache.reset()`` between unrelated sequences. On leaving the block,
-    normally or by an exception, the model's attention implementation is restored exactly.
+    centering, channel scaling or outlier channels are calibrated first on
+    ``config.calibration_corpus`` (never the evaluation text), with ``tokenizer`` (default:
+    loaded from the model's ``name_or_path``); a bit budget (``alloc=``) is first resolved
+    into per-layer bits for this model (:func:`rqlib.allocation.resolve`). Pass the yielded
+    cache as ``past_key_values`` to ``forward`` or ``generate``; call ``cache.reset()``
+    between unrelated sequences. On leaving the block, normally or by an exception, the
+    model's attention implementation is restored exactly.
     """
     if isinstance(config, str):
         config = CompressionConfig.parse(config)
@@ -205,7 +243,7 @@ def compress(
     modules = attention_modules(model)
     attention.register()
     calibration = None
-    if config.needs_calibration:
+    if config.needs_calibration or config.budget is not None:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -216,6 +254,11 @@ def compress(
                     "this config is calibrated on a corpus; pass compress(..., tokenizer=...) "
                     f"(loading one from {model.name_or_path!r} failed: {error})"
                 ) from error
+    if config.budget is not None:
+        from rqlib.allocation import resolve
+
+        config = resolve(config, model, tokenizer)
+    if config.needs_calibration:
         calibration = calibrate(
             model, tokenizer, config.calibration_corpus, config.calibration_tokens
         )

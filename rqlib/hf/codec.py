@@ -6,6 +6,10 @@ A :class:`VectorCodec` compresses ``[B, KV, S, d]`` vectors of one layer. It may
   <q, mu>``, the second term added back exactly, so centering only changes what is quantized);
 - split the channels of each KV head into outlier channels (calibrated, quantized at more bits)
   and the rest, each subset with its own quantizer (its own rotation, norm and codes);
+- multiply each channel by a calibrated weight before quantizing and divide it out after
+  (channel scaling, :func:`key_channel_scale` / :func:`value_channel_scale`): the rotation makes
+  the quantization error isotropic in the scaled space, so the weights decide which channels
+  get the error. ``<q, k> = <q / a, a * k>`` is exact, so scaling only moves the error;
 - replace each stored norm by the least-squares scale of the reconstruction (norm correction).
 """
 
@@ -18,7 +22,66 @@ import torch
 
 from rqlib.hf.scores import estimate_scores
 
-__all__ = ["ChannelPart", "VectorCodec", "CompressedParts"]
+__all__ = [
+    "ChannelPart",
+    "CompressedParts",
+    "VectorCodec",
+    "key_channel_scale",
+    "value_channel_scale",
+]
+
+
+def _balanced_scale(weight_energy: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
+    """``a = (w / e) ** (1/4)`` per channel, normalised to a geometric mean of 1 per head.
+
+    With the error of a rotated quantizer isotropic in the scaled space, the error that matters,
+    ``sum_i w_i (e_i / a_i)^2`` for weights ``w`` and channel energies ``e``, is proportional
+    to ``sum_i w_i / a_i^2 * sum_i a_i^2 e_i``; by Cauchy-Schwarz it is smallest, at
+    ``(sum_i sqrt(w_i e_i))^2``, when ``a_i^2 = sqrt(w_i / e_i)``. Energies below 1e-6 of
+    their head's mean are floored there so a dead channel cannot blow the scale up.
+    """
+    w = weight_energy.double()
+    e = energy.double()
+    w = w.clamp_min(1e-6 * w.mean(-1, keepdim=True))
+    e = e.clamp_min(1e-6 * e.mean(-1, keepdim=True))
+    log_a = 0.25 * (w.log() - e.log())
+    return (log_a - log_a.mean(-1, keepdim=True)).exp().float()
+
+
+def key_channel_scale(query_energy: torch.Tensor, key_energy: torch.Tensor) -> torch.Tensor:
+    """Per-channel key weights ``[KV, d]`` that minimise the expected score error.
+
+    The score error of a key error ``err`` is ``<q, err>``; its mean square over queries is
+    ``sum_i E[q_i^2] err_i^2`` (channels taken as uncorrelated), so the weights are the query
+    energies: ``a_i = (E[q_i^2] / E[k_i^2]) ** (1/4)`` (see :func:`_balanced_scale`).
+    Channels the queries hardly read get the error; channels they read get the bits.
+    """
+    if query_energy.shape != key_energy.shape:
+        raise ValueError(
+            f"query and key energies must have the same shape, got {tuple(query_energy.shape)} "
+            f"and {tuple(key_energy.shape)}"
+        )
+    return _balanced_scale(query_energy, key_energy)
+
+
+def value_channel_scale(output_weight: torch.Tensor, value_energy: torch.Tensor) -> torch.Tensor:
+    """Per-channel value weights ``[KV, d]`` that minimise the error after ``o_proj``.
+
+    ``output_weight`` is the ``o_proj`` weight ``[hidden, H * d]``; a value error ``err`` of KV
+    head ``g`` reaches the residual stream as ``sum_h W_h err`` over the query heads ``h`` of
+    its group, whose mean square is ``sum_i ||W[:, i]||^2 err_i^2`` with the column norms summed
+    over the group (columns taken as orthogonal). ``a_i = (||W_i||^2 / E[v_i^2]) ** (1/4)``.
+    """
+    kv_heads, head_dim = value_energy.shape
+    columns = output_weight.detach().double().pow(2).sum(0)  # [H * d]
+    if columns.numel() % (kv_heads * head_dim):
+        raise ValueError(
+            f"o_proj has {columns.numel()} input columns, not a multiple of KV heads x head_dim "
+            f"= {kv_heads} x {head_dim}"
+        )
+    group = columns.numel() // (kv_heads * head_dim)
+    weight = columns.reshape(kv_heads, group, head_dim).sum(1).to(value_energy.device)
+    return _balanced_scale(weight, value_energy)
 
 
 @dataclass(frozen=True)
@@ -69,8 +132,9 @@ class VectorCodec:
     """Compress / decompress / score the keys or values of one layer.
 
     ``parts`` are the channel subsets with their quantizers; ``mean`` (``[KV, d]`` or
-    ``None``) is subtracted before quantizing; ``norm_correction`` stores, for each vector,
-    the scale ``<x, x_hat> / ||x_hat||^2`` times the norm instead of the norm.
+    ``None``) is subtracted before quantizing; ``scale`` (``[KV, d]`` or ``None``) multiplies
+    each channel after that and is divided out after decoding; ``norm_correction`` stores, for
+    each vector, the scale ``<x, x_hat> / ||x_hat||^2`` times the norm instead of the norm.
     """
 
     def __init__(
@@ -79,27 +143,34 @@ class VectorCodec:
         head_dim: int,
         mean: torch.Tensor | None = None,
         norm_correction: bool = False,
+        scale: torch.Tensor | None = None,
     ) -> None:
         if not parts:
             raise ValueError("a codec needs at least one channel part")
+        if scale is not None and (scale.shape[-1] != head_dim or not bool((scale > 0).all())):
+            raise ValueError(f"scale must be positive with last dim {head_dim}")
         self.parts = tuple(parts)
         self.head_dim = head_dim
         self.mean = mean
         self.norm_correction = norm_correction
+        self.scale = scale
 
     @property
     def bits_per_vector(self) -> int:
         """Stored bits per (token, KV head): codes, norms, QJL signs and residual norms."""
         return sum(part.quantizer.bits_per_vector for part in self.parts)
 
-    def _centered(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mean is None:
-            return x
-        return x - self.mean.to(x.device, x.dtype)[None, :, None, :]
+    def _prepared(self, x: torch.Tensor) -> torch.Tensor:
+        """What is quantized: ``(x - mean) * scale``."""
+        if self.mean is not None:
+            x = x - self.mean.to(x.device, x.dtype)[None, :, None, :]
+        if self.scale is not None:
+            x = x * self.scale.to(x.device, x.dtype)[None, :, None, :]
+        return x
 
     def encode(self, x: torch.Tensor) -> CompressedParts:
         """Compress ``x`` ``[B, KV, S, d]``."""
-        x = self._centered(x.float())
+        x = self._prepared(x.float())
         out = []
         for part in self.parts:
             sub = _gather_channels(x, part.channels)
@@ -122,6 +193,8 @@ class VectorCodec:
             else:
                 index = part.channels.to(device)[None, :, None, :].expand(batch, -1, length, -1)
                 out = out.scatter(-1, index, decoded)
+        if self.scale is not None:
+            out = out / self.scale.to(device)[None, :, None, :]
         if self.mean is not None:
             out = out + self.mean.to(device)[None, :, None, :]
         return out
@@ -131,9 +204,12 @@ class VectorCodec:
         kv_heads = c.parts[0].shape[1]
         group = q.shape[1] // kv_heads
         q = q.float()
+        q_scaled = q
+        if self.scale is not None:  # <q, k - mu> = <q / a, a * (k - mu)>
+            q_scaled = q / self.scale.to(q.device).repeat_interleave(group, dim=0)[None, :, None]
         total = None
         for part, compressed in zip(self.parts, c.parts):
-            estimate = estimate_scores(_gather_channels(q, part.channels, group), compressed)
+            estimate = estimate_scores(_gather_channels(q_scaled, part.channels, group), compressed)
             total = estimate if total is None else total + estimate
         if self.mean is not None:
             mean = self.mean.to(q.device).repeat_interleave(group, dim=0)  # [Hq, d]

@@ -18,6 +18,9 @@ override it). TOKENs (``name=value`` or the short form):
 ``win32``              a band of the W most recent tokens kept exact, relative to each query
 ``exact=0,-1``         layers kept exact (negative counts from the end); ``exact=none``
 ``ctr``                per-layer, per-KV-head key centering with a mean calibrated on pydoc
+``ks``                 key channel scaling: each channel weighted by (query / key energy)^1/4,
+                       calibrated on pydoc, so the error goes where queries do not look
+``vs``                 value channel scaling by (o_proj column energy / value energy)^1/4
 ``ko32`` / ``vo32``    outlier channels of K / V (chosen by calibration) at +1 bit;
 ``out32``              both; ``obits=2`` changes the +1
 ``nc``                 norm correction (MSE methods): store the least-squares scale
@@ -26,6 +29,9 @@ override it). TOKENs (``name=value`` or the short form):
 ``law=gaussian``       Lloyd-Max codebook law passed to the quantizer
 ``seed=7``             seed of rotations and sketches
 ``calib=pydoc``        calibration corpus; ``ctok=2048`` its number of tokens
+``alloc=3.5``          per-layer key and value bits chosen for this model so that the average
+                       bits are at most 3.5, where its measured sensitivity says they matter
+                       (:mod:`rqlib.allocation`; resolved against a model before use)
 =====================  ===================================================================
 
 Values always use the MSE quantizer of the method's family (``turboquant-mse`` or
@@ -81,6 +87,8 @@ class CompressionConfig:
     qjl_dim: int | None = None
     codebook_law: str = "beta"
     center_keys: bool = False
+    scale_keys: bool = False
+    scale_values: bool = False
     n_sink: int = 0
     recent_window: int = 0
     exact_layers: tuple[int, ...] = ()
@@ -91,6 +99,7 @@ class CompressionConfig:
     seed: int = 0
     calibration_corpus: str = "pydoc"
     calibration_tokens: int = 2048
+    budget: float | None = None
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +138,8 @@ class CompressionConfig:
                 self.max_key_bits + self.outlier_extra_bits,
                 allow_none=False,
             )
+        if self.scale_values and self.value_bits is None and not self.layer_value_bits:
+            raise ValueError("scale_values needs compressed values (value_bits is None)")
         if self.value_outliers:
             if self.value_bits is None and not self.layer_value_bits:
                 raise ValueError("value_outliers needs compressed values (value_bits is None)")
@@ -148,6 +159,15 @@ class CompressionConfig:
             )
         if self.calibration_corpus == "wikitext-2":
             raise ValueError("calibration must not use the evaluation corpus wikitext-2")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+                raise ValueError(f"budget must be a number of bits, got {self.budget!r}")
+            if not 0 < self.budget < 16:
+                raise ValueError(f"budget must be in (0, 16) bits, got {self.budget!r}")
+            if self.is_prod:
+                raise ValueError("alloc= (a bit budget) is implemented for the -mse methods only")
+            if self.value_bits is None:
+                raise ValueError("alloc= allocates key and value bits: compress values too (v3)")
         if self.calibration_tokens < 16:
             raise ValueError(f"calibration_tokens must be >= 16, got {self.calibration_tokens!r}")
 
@@ -165,7 +185,13 @@ class CompressionConfig:
     @property
     def needs_calibration(self) -> bool:
         """Whether :func:`rqlib.hf.compress` must run the calibration corpus first."""
-        return self.center_keys or self.key_outliers > 0 or self.value_outliers > 0
+        return (
+            self.center_keys
+            or self.scale_keys
+            or self.scale_values
+            or self.key_outliers > 0
+            or self.value_outliers > 0
+        )
 
     @property
     def max_key_bits(self) -> int:
@@ -287,6 +313,10 @@ class CompressionConfig:
             tokens.append("exact=" + ",".join(str(layer) for layer in self.exact_layers))
         if self.center_keys:
             tokens.append("ctr")
+        if self.scale_keys:
+            tokens.append("ks")
+        if self.scale_values:
+            tokens.append("vs")
         if self.key_outliers:
             tokens.append(f"ko{self.key_outliers}")
         if self.value_outliers:
@@ -309,12 +339,19 @@ class CompressionConfig:
             tokens.append(f"calib={self.calibration_corpus}")
         if self.calibration_tokens != default.calibration_tokens:
             tokens.append(f"ctok={self.calibration_tokens}")
+        if self.budget is not None:
+            tokens.append(f"alloc={self.budget:g}")
         return ":".join(tokens)
 
 
 _SHORT = re.compile(r"^(k|v|b|sink|win|ko|vo|out)(\d+)$")
 _LAYER_BITS = re.compile(r"^([kv])(\d+)(?:-(\d+))?=(\d+|fp)$")
-_FLAGS = {"ctr": ("center_keys", True), "nc": ("norm_correction", True)}
+_FLAGS = {
+    "ctr": ("center_keys", True),
+    "ks": ("scale_keys", True),
+    "vs": ("scale_values", True),
+    "nc": ("norm_correction", True),
+}
 _KEYED = {
     "k": "key_bits",
     "v": "value_bits",
@@ -396,6 +433,14 @@ def _apply_token(
             return
         if name == "v" and text == "fp":
             changes["value_bits"] = None
+            return
+        if name == "alloc":
+            try:
+                changes["budget"] = float(text)
+            except ValueError:
+                raise ValueError(
+                    f"token {token!r} in spec {spec!r} needs a number of bits, got {text!r}"
+                ) from None
             return
         if name in _KEYED:
             key = _KEYED[name]

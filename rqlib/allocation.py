@@ -1,0 +1,425 @@
+"""Per-layer bit allocation: spend the bits where the model is sensitive.
+
+A uniform cache gives every layer's keys and values the same bits, but the layers do not suffer
+equally. The **sensitivity** of an item (the keys, or the values, of one layer) at ``b`` bits is
+the mean KL(full precision || compressed) of the next-token distribution when that item alone is
+compressed at ``b`` bits and everything else is exact, measured on the calibration corpus
+(``pydoc``, never the evaluation text) with the rest of the config as given: centering, sink,
+recent band and so on.
+
+For small perturbations the items' KLs add up (independent errors perturb the logits
+independently, to first order), so choosing the bits is a multiple-choice knapsack::
+
+    minimise  sum_i KL_i(b_i)   subject to   average_bits(config with b_i) <= budget
+
+which :func:`allocate` solves exactly by dynamic programming over the integer number of stored
+bits per vector. :func:`resolve` turns a config with a budget (spec token ``alloc=3.5``) into a
+concrete one for a given model: the sensitivity table is read from the tables shipped with
+rqlib (``rqlib/allocations/``, measured with the command below), from the user cache, or
+measured on the spot and cached.
+
+::
+
+    python -m rqlib.allocation --model smollm2-135m \\
+        --base turboquant-mse:sink1:win32:ctr:nc --json rqlib/allocations/smollm2-135m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from functools import reduce
+from pathlib import Path
+
+import torch
+
+from rqlib.hf.config import CompressionConfig
+
+__all__ = [
+    "KINDS",
+    "Sensitivity",
+    "allocate",
+    "measure_sensitivity",
+    "model_fingerprint",
+    "resolve",
+]
+
+KINDS = ("key", "value")
+#: Bits tried per item; values may go lower than keys (their errors are averaged by attention).
+KEY_BITS = (2, 3, 4, 5)
+VALUE_BITS = (1, 2, 3, 4)
+#: Key bits used while measuring a value item: D(8 bits) ~ 4e-5, negligible next to the values'.
+NEAR_EXACT_KEY_BITS = 8
+SHIPPED = Path(__file__).resolve().parent / "allocations"
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of a model's geometry and of a slice of its weights (its identity)."""
+    config = model.config.get_text_config(decoder=True)
+    digest = hashlib.sha256()
+    for name in ("model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads"):
+        digest.update(f"{name}={getattr(config, name, None)};".encode())
+    embedding = model.get_input_embeddings().weight
+    digest.update(embedding[:8].detach().float().cpu().numpy().tobytes())
+    last = list(model.parameters())[-1]
+    digest.update(last.reshape(-1)[:256].detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """``kl[(kind, layer, bits)]``: mean KL with only that item compressed at ``bits``.
+
+    ``base`` is the spec the items were compressed with (its per-layer bits ignored),
+    ``fingerprint`` identifies the model (:func:`model_fingerprint`), ``corpus`` is the
+    provenance of the measuring text, ``tokens``/``offset`` which of its tokens were used.
+    """
+
+    base: str
+    fingerprint: str
+    n_layers: int
+    corpus: dict
+    tokens: int
+    offset: int
+    kl: dict
+
+    def options(self, kind: str, layer: int) -> dict[int, float]:
+        """``{bits: KL}`` of one item."""
+        return {b: v for (k, lay, b), v in self.kl.items() if k == kind and lay == layer}
+
+    def to_dict(self) -> dict:
+        rows = [
+            {"kind": kind, "layer": layer, "bits": bits, "kl": value}
+            for (kind, layer, bits), value in sorted(self.kl.items())
+        ]
+        return {
+            "base": self.base,
+            "fingerprint": self.fingerprint,
+            "n_layers": self.n_layers,
+            "corpus": self.corpus,
+            "tokens": self.tokens,
+            "offset": self.offset,
+            "rows": rows,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Sensitivity:
+        kl = {(r["kind"], int(r["layer"]), int(r["bits"])): float(r["kl"]) for r in data["rows"]}
+        return cls(
+            data["base"],
+            data["fingerprint"],
+            int(data["n_layers"]),
+            data["corpus"],
+            int(data["tokens"]),
+            int(data["offset"]),
+            kl,
+        )
+
+
+def _base_of(config: CompressionConfig) -> CompressionConfig:
+    """What the sensitivities depend on: ``config`` with its bits reset to a uniform 3/3."""
+    if config.exact_layers:
+        raise ValueError("alloc= chooses every layer's bits; it cannot be combined with exact=")
+    return config.replace(
+        key_bits=3,
+        value_bits=3,
+        layer_key_bits=(),
+        layer_value_bits=(),
+        budget=None,
+        name=None,
+    )
+
+
+def measure_sensitivity(
+    model: torch.nn.Module,
+    tokenizer,
+    config: CompressionConfig,
+    *,
+    key_bits: tuple[int, ...] = KEY_BITS,
+    value_bits: tuple[int, ...] = VALUE_BITS,
+    tokens: int = 1024,
+    offset: int | None = None,
+    layers: tuple[int, ...] | None = None,
+    progress: bool = True,
+) -> Sensitivity:
+    """Measure every item's KL at every bit width on ``config.calibration_corpus``.
+
+    The text is ``tokens`` tokens starting at ``offset`` (default: just after the tokens the
+    calibration statistics use), one window. Costs ``n_layers * (len(key_bits) +
+    len(value_bits))`` forward passes with one layer compressed; ``layers`` restricts the
+    measurement to some layers (a partial table, for spot checks).
+    """
+    from rqlib.data import load_corpus, tokenize_corpus
+    from rqlib.eval import evaluate
+
+    base = _base_of(config)
+    if base.is_prod:
+        raise ValueError("allocation is implemented for the -mse methods")
+    if offset is None:
+        offset = base.calibration_tokens
+    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    corpus = load_corpus(base.calibration_corpus)
+    ids = tokenize_corpus(corpus, tokenizer, offset + tokens)[offset:]
+    if ids.numel() < tokens:
+        raise ValueError(
+            f"{base.calibration_corpus} has only {ids.numel() + offset} tokens; "
+            f"need offset {offset} + {tokens}"
+        )
+    plan = []
+    for layer in range(n_layers) if layers is None else layers:
+        others = tuple(i for i in range(n_layers) if i != layer)
+        for bits in key_bits:
+            plan.append(
+                (
+                    ("key", layer, bits),
+                    base.replace(key_bits=bits, value_bits=None, exact_layers=others),
+                )
+            )
+        for bits in value_bits:
+            plan.append(
+                (
+                    ("value", layer, bits),
+                    base.replace(
+                        key_bits=NEAR_EXACT_KEY_BITS, value_bits=bits, exact_layers=others
+                    ),
+                )
+            )
+    results = evaluate(
+        model,
+        ids,
+        [c for _, c in plan],
+        window=tokens,
+        tokenizer=tokenizer,
+        progress=progress,
+    )
+    kl = {item: result.kl for (item, _), result in zip(plan, results[1:])}
+    return Sensitivity(
+        base.spec(),
+        model_fingerprint(model),
+        n_layers,
+        corpus.provenance(),
+        int(ids.numel()),
+        offset,
+        kl,
+    )
+
+
+def allocate(
+    sensitivity: Sensitivity, config: CompressionConfig, model_config, context: int = 4096
+) -> CompressionConfig:
+    """Per-layer key and value bits minimising the summed KL within ``config.budget``.
+
+    Returns ``config`` with ``layer_key_bits``/``layer_value_bits`` set for every layer (and
+    ``key_bits``/``value_bits`` set to the most common choice) and ``budget`` cleared;
+    ``ValueError`` if even the cheapest choice exceeds the budget.
+    """
+    from rqlib.eval import _codec_bits, _geometry, average_bits
+
+    if config.budget is None:
+        raise ValueError("config has no budget (spec token alloc=BITS)")
+    base = _base_of(config)
+    n_layers, _, head_dim = _geometry(model_config)
+    if n_layers != sensitivity.n_layers:
+        raise ValueError(
+            f"the sensitivity table is for {sensitivity.n_layers} layers, the model has {n_layers}"
+        )
+    items = [(kind, layer) for layer in range(n_layers) for kind in KINDS]
+    # cost of a choice: stored bits per vector (an integer), exactly as average_bits counts it
+    choices = []
+    for kind, layer in items:
+        method, outliers = (
+            (base.method, base.key_outliers)
+            if kind == "key"
+            else (base.value_method, base.value_outliers)
+        )
+        options = sensitivity.options(kind, layer)
+        if not options:
+            raise ValueError(f"the sensitivity table has no entries for the {kind}s of {layer}")
+        choices.append(
+            [
+                (round(_codec_bits(base, method, bits, head_dim, outliers) * head_dim), kl, bits)
+                for bits, kl in sorted(options.items())
+            ]
+        )
+    # the budget in summed bits per vector: what is left once the bits-independent overhead
+    # (exact tokens, means, ...) is paid; measured on a uniform config, then made exact below
+    uniform = base.replace(
+        key_bits=min(c[2] for c in choices[0]), value_bits=min(c[2] for c in choices[1])
+    )
+    uniform_cost = sum(min(c[0] for c in options) for options in choices)
+    overhead = average_bits(uniform, model_config, context)["mean"] - uniform_cost / (
+        2 * n_layers * head_dim
+    )
+    capacity = math.floor((config.budget - overhead) * 2 * n_layers * head_dim + 1e-6)
+    unit = reduce(math.gcd, [c[0] for options in choices for c in options])
+    capacity //= unit
+    if capacity < uniform_cost // unit:
+        raise ValueError(
+            f"budget {config.budget} bits is below the cheapest allocation "
+            f"({average_bits(uniform, model_config, context)['mean']:.3f} bits)"
+        )
+    best = _knapsack(
+        [[(cost // unit, kl, bits) for cost, kl, bits in o] for o in choices], capacity
+    )
+    layer_keys = tuple((layer, best[2 * layer]) for layer in range(n_layers))
+    layer_values = tuple((layer, best[2 * layer + 1]) for layer in range(n_layers))
+    common_key = max(set(best[0::2]), key=best[0::2].count)
+    common_value = max(set(best[1::2]), key=best[1::2].count)
+    resolved = config.replace(
+        key_bits=common_key,
+        value_bits=common_value,
+        layer_key_bits=tuple(item for item in layer_keys if item[1] != common_key),
+        layer_value_bits=tuple(item for item in layer_values if item[1] != common_value),
+        budget=None,
+    )
+    spent = average_bits(resolved, model_config, context)["mean"]
+    if spent > config.budget + 1e-9:
+        raise AssertionError(f"allocation spends {spent} > budget {config.budget}")
+    return resolved
+
+
+def _knapsack(choices: list[list[tuple[int, float, int]]], capacity: int) -> list[int]:
+    """Exact multiple-choice knapsack: one ``(cost, value, label)`` per group, min total value.
+
+    ``table[c]`` is the least total KL of the groups so far at total cost exactly ``c``.
+    """
+    inf = float("inf")
+    table = torch.full((capacity + 1,), inf, dtype=torch.float64)
+    table[0] = 0.0
+    picks = []
+    for options in choices:
+        new = torch.full_like(table, inf)
+        pick = torch.full((capacity + 1,), -1, dtype=torch.long)
+        for index, (cost, value, _) in enumerate(options):
+            if cost > capacity:
+                continue
+            candidate = torch.full_like(table, inf)
+            candidate[cost:] = table[: capacity + 1 - cost] + value
+            better = candidate < new
+            new = torch.where(better, candidate, new)
+            pick = torch.where(better, torch.tensor(index), pick)
+        table = new
+        picks.append(pick)
+    if not torch.isfinite(table).any():
+        raise ValueError("no allocation fits the budget")
+    total = int(torch.argmin(table))
+    labels = []
+    for options, pick in zip(reversed(choices), reversed(picks)):
+        index = int(pick[total])
+        labels.append(options[index][2])
+        total -= options[index][0]
+    return labels[::-1]
+
+
+def _sensitivity_name(fingerprint: str, base: CompressionConfig) -> str:
+    spec_hash = hashlib.sha256(base.spec().encode()).hexdigest()[:12]
+    return f"sensitivity-{fingerprint}-{spec_hash}.json"
+
+
+def find_sensitivity(model: torch.nn.Module, config: CompressionConfig) -> Sensitivity | None:
+    """The stored table for this model and base config: shipped with rqlib, else user cache."""
+    from rqlib.codebooks import cache_dir
+
+    fingerprint = model_fingerprint(model)
+    base = _base_of(config).spec()
+    candidates = sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []
+    candidates.append(
+        cache_dir() / "allocations" / _sensitivity_name(fingerprint, _base_of(config))
+    )
+    for path in candidates:
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if data.get("fingerprint") == fingerprint and data.get("base") == base:
+            return Sensitivity.from_dict(data)
+    return None
+
+
+def resolve(
+    config: CompressionConfig,
+    model: torch.nn.Module,
+    tokenizer,
+    *,
+    context: int = 4096,
+    progress: bool = True,
+) -> CompressionConfig:
+    """``config`` with its budget turned into per-layer bits for ``model`` (else unchanged).
+
+    The sensitivity table is looked up with :func:`find_sensitivity`; if there is none it is
+    measured (announced on stderr: it costs a few hundred forward passes) and cached.
+    """
+    from rqlib.codebooks import cache_dir
+
+    if config.budget is None:
+        return config
+    sensitivity = find_sensitivity(model, config)
+    if sensitivity is None:
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        passes = n_layers * (len(KEY_BITS) + len(VALUE_BITS))
+        print(
+            f"rqlib.allocation: no sensitivity table for this model and {_base_of(config).spec()};"
+            f" measuring it on {config.calibration_corpus} ({passes} forward passes, cached)",
+            file=sys.stderr,
+        )
+        sensitivity = measure_sensitivity(model, tokenizer, config, progress=progress)
+        path = (
+            cache_dir()
+            / "allocations"
+            / _sensitivity_name(sensitivity.fingerprint, _base_of(config))
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sensitivity.to_dict(), indent=1))
+    resolved = allocate(sensitivity, config, model.config, context)
+    return resolved.replace(name=config.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure a sensitivity table and write it as JSON (see the module docstring)."""
+    from rqlib.models import load_model
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rqlib.allocation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--base", default="turboquant-mse:sink1:win32:ctr:nc")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--json", required=True, type=Path)
+    parser.add_argument(
+        "--budget",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also print the allocation for these budgets",
+    )
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    started = time.time()
+    model, tokenizer = load_model(args.model)
+    base = CompressionConfig.parse(args.base)
+    sensitivity = measure_sensitivity(
+        model, tokenizer, base, tokens=args.tokens, progress=not args.no_progress
+    )
+    payload = sensitivity.to_dict()
+    payload["model"] = args.model
+    payload["command"] = "python -m rqlib.allocation " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    payload["seconds"] = round(time.time() - started, 1)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(payload, indent=1) + "\n")
+    for budget in args.budget:
+        resolved = allocate(sensitivity, base.replace(value_bits=3, budget=budget), model.config)
+        print(f"alloc={budget:g}: {resolved.spec()}")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

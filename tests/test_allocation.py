@@ -1,0 +1,140 @@
+"""Per-layer bit allocation: the knapsack is exact, budgets hold, resolution is cached."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from test_hf import ByteTokenizer, random_ids, seed_of, tiny_model
+
+from rqlib import allocation
+from rqlib.allocation import Sensitivity, allocate, resolve
+from rqlib.eval import average_bits
+from rqlib.hf import CompressionConfig, compress
+
+
+def test_knapsack_matches_brute_force(rng):
+    generator = random.Random(seed_of(rng))
+    for _ in range(30):
+        groups = [
+            [(generator.randint(1, 6), generator.random(), label) for label in range(3)]
+            for _ in range(4)
+        ]
+        capacity = generator.randint(4, 20)
+        feasible = [
+            combo
+            for combo in itertools.product(*groups)
+            if sum(cost for cost, _, _ in combo) <= capacity
+        ]
+        if not feasible:
+            with pytest.raises(ValueError, match="no allocation"):
+                allocation._knapsack(groups, capacity)
+            continue
+        best = min(sum(value for _, value, _ in combo) for combo in feasible)
+        labels = allocation._knapsack(groups, capacity)
+        chosen = [next(o for o in group if o[2] == label) for group, label in zip(groups, labels)]
+        assert sum(cost for cost, _, _ in chosen) <= capacity
+        # float sums of 4 terms in different orders
+        assert sum(value for _, value, _ in chosen) == pytest.approx(best, abs=1e-12)
+
+
+def _table(n_layers: int, sensitive: int, rng: torch.Generator) -> Sensitivity:
+    """KL = scale * 4^-bits per item; layer ``sensitive``'s keys 100x more than the rest."""
+    kl = {}
+    for layer in range(n_layers):
+        for kind, options in (("key", allocation.KEY_BITS), ("value", allocation.VALUE_BITS)):
+            scale = float(torch.rand(1, generator=rng)) + 0.5
+            if kind == "key" and layer == sensitive:
+                scale *= 100
+            for bits in options:
+                kl[(kind, layer, bits)] = scale * 4.0**-bits
+    base = allocation._base_of(CompressionConfig.parse("turboquant-mse:sink1:win4")).spec()
+    return Sensitivity(base, "0", n_layers, {}, 16, 0, kl)
+
+
+@pytest.mark.parametrize("budget", [2.6, 3.0, 3.5])
+def test_allocation_spends_at_most_the_budget_where_it_matters(budget, rng):
+    model = tiny_model("llama", seed_of(rng))
+    n_layers = model.config.num_hidden_layers
+    sensitive = int(torch.randint(0, n_layers, (1,), generator=rng))
+    table = _table(n_layers, sensitive, rng)
+    config = CompressionConfig.parse(f"turboquant-mse:b3:sink1:win4:alloc={budget}")
+    resolved = allocate(table, config, model.config)
+    assert resolved.budget is None
+    assert average_bits(resolved, model.config)["mean"] <= budget + 1e-9
+    key_bits = [resolved.key_bits_of(layer) for layer in range(n_layers)]
+    assert key_bits[sensitive] == max(key_bits)
+    # one more bit anywhere would break the budget, or the allocation is already maximal
+    for layer in range(n_layers):
+        bits = resolved.key_bits_of(layer)
+        if bits < max(allocation.KEY_BITS):
+            more = dict(resolved.layer_key_bits) | {layer: bits + 1}
+            bigger = resolved.replace(layer_key_bits=tuple(sorted(more.items())))
+            assert average_bits(bigger, model.config)["mean"] > budget - 0.05
+    with pytest.raises(ValueError, match="below the cheapest"):
+        allocate(table, config.replace(budget=1.0), model.config)
+    with pytest.raises(ValueError, match="layers"):
+        allocate(_table(n_layers + 1, 0, rng), config, model.config)
+
+
+def test_unresolved_budgets_are_refused():
+    config = CompressionConfig.parse("turboquant-mse:b3:alloc=3")
+    assert config.budget == 3.0 and CompressionConfig.parse(config.spec()) == config
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match="resolved"):
+        average_bits(config, LlamaConfig(num_hidden_layers=2))
+    for spec, message in [
+        ("turboquant-prod:k3:v3:alloc=3", "-mse methods"),
+        ("turboquant-mse:k3:alloc=3", "compress values"),
+        ("turboquant-mse:b3:alloc=x", "number of bits"),
+        ("turboquant-mse:b3:alloc=20", "budget"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            CompressionConfig.parse(spec)
+    with pytest.raises(ValueError, match="exact="):
+        allocation._base_of(CompressionConfig.parse("turboquant-mse:b3:exact=0:alloc=3"))
+
+
+def test_resolve_measures_once_then_reads_the_cache(rng, tmp_path, monkeypatch):
+    monkeypatch.setenv("RQLIB_CACHE", str(tmp_path))
+    model = tiny_model("llama", seed_of(rng))
+    tokenizer = ByteTokenizer()
+    config = CompressionConfig.parse("turboquant-mse:b2:ctr:ctok=64:alloc=2.9").replace(name="mine")
+    calls = []
+    measure = allocation.measure_sensitivity
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return measure(
+            *args,
+            tokens=32,
+            progress=False,
+            **{k: v for k, v in kwargs.items() if k not in ("tokens", "progress")},
+        )
+
+    monkeypatch.setattr(allocation, "measure_sensitivity", counting)
+    first = resolve(config, model, tokenizer, progress=False)
+    second = resolve(config, model, tokenizer, progress=False)
+    assert len(calls) == 1 and first == second and first.name == "mine"
+    assert list((tmp_path / "allocations").glob("sensitivity-*.json"))
+    table = allocation.find_sensitivity(model, config)
+    n_layers = model.config.num_hidden_layers
+    assert set(table.kl) == {
+        (kind, layer, bits)
+        for layer in range(n_layers)
+        for kind, options in (("key", allocation.KEY_BITS), ("value", allocation.VALUE_BITS))
+        for bits in options
+    }
+    # a KL is >= 0; fp32 log-probabilities of nearly equal distributions give ~1e-7 either side
+    assert all(value > -1e-5 for value in table.kl.values())
+    # compress() resolves the same way: its logits are those of the resolved config
+    ids = random_ids(rng, 1, 12)
+    with torch.no_grad():
+        with compress(model, config, tokenizer=tokenizer) as cache:
+            via_budget = model(ids, cache=cache).logits
+        with compress(model, first, tokenizer=tokenizer) as cache:
+            via_resolved = model(ids, cache=cache).logits
+    assert torch.equal(via_budget, via_resolved)
