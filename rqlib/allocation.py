@@ -121,8 +121,8 @@ class Sensitivity:
         )
 
 
-def _base_of(config: CompressionConfig) -> CompressionConfig:
-    """What the sensitivities depend on: ``config`` with its bits reset to a uniform 3/3."""
+def _uniform(config: CompressionConfig) -> CompressionConfig:
+    """``config`` with its bits reset to a uniform 3/3 and no budget: what the costs use."""
     if config.exact_layers:
         raise ValueError("alloc= chooses every layer's bits; it cannot be combined with exact=")
     return config.replace(
@@ -133,6 +133,14 @@ def _base_of(config: CompressionConfig) -> CompressionConfig:
         budget=None,
         name=None,
     )
+
+
+def _base_of(config: CompressionConfig) -> CompressionConfig:
+    """What a sensitivity table is measured for (its identity): :func:`_uniform` of ``config``
+    with fp16 norms. The norm format is left out on purpose: rounding the norms to ``nm`` >= 6
+    mantissa bits moves a vector by at most 2^-7 of its norm, far below the quantization error
+    even at 5 bits (``tests/test_quantizers.py`` checks the bound), so one table serves both."""
+    return _uniform(config).replace(norm_mantissa=None)
 
 
 def measure_sensitivity(
@@ -222,7 +230,7 @@ def allocate(
 
     if config.budget is None:
         raise ValueError("config has no budget (spec token alloc=BITS)")
-    base = _base_of(config)
+    base = _uniform(config)  # costs: this config's storage format, norms included
     n_layers, _, head_dim = _geometry(model_config)
     if n_layers != sensitivity.n_layers:
         raise ValueError(

@@ -105,6 +105,7 @@ def _codec_bits(
             qjl_sketch=config.qjl_sketch if is_prod else None,
             qjl_dim=config.qjl_dim if is_prod else None,
             codebook_law=config.codebook_law,
+            norm_mantissa_bits=config.norm_mantissa,
         ).bits_per_vector
 
     if outliers:

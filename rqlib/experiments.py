@@ -137,6 +137,10 @@ def _with_key_outliers(c: CompressionConfig) -> CompressionConfig | None:
     return None if c.key_outliers else c.replace(key_outliers=8)
 
 
+def _fp16_norms(c: CompressionConfig) -> CompressionConfig | None:
+    return None if c.norm_mantissa is None else c.replace(norm_mantissa=None)
+
+
 def _with_key_scaling(c: CompressionConfig) -> CompressionConfig | None:
     return None if c.scale_keys else c.replace(scale_keys=True)
 
@@ -156,6 +160,12 @@ LEVERS: dict[str, Lever] = {
         Lever("sink", "removed", "first token no longer exact", _without_sink),
         Lever("recent-window", "removed", "no exact recent band", _without_window),
         Lever("norm-correction", "removed", "plain fp16 norms", _without_norm_correction),
+        Lever(
+            "short-norms",
+            "removed",
+            "fp16 norms instead of 11-bit ones (same per-layer bits, more storage)",
+            _fp16_norms,
+        ),
         Lever(
             "allocation",
             "removed",

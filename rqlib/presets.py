@@ -3,17 +3,19 @@ eval command's ``--method preset:NAME``.
 
 The table maps a name to a compact spec (see :mod:`rqlib.hf.config`). The number in a name is
 a budget: the average stored bits per key and value coordinate, counted by
-:func:`rqlib.eval.average_bits` at a context of 4096 tokens (codes, fp16 norms, exact sink and
-recent tokens, calibrated means), is at most that number. At head_dim 64 the fp16 norm alone
-costs 0.25 bits per coordinate and the exact first token plus a 32-token recent band another
-33 * 16 / 4096 = 0.129, so a "3.5-bit" cache has about 3.1 bits of codes per coordinate.
+:func:`rqlib.eval.average_bits` at a context of 4096 tokens (codes, norms, exact sink and
+recent tokens, calibrated means), is at most that number. At head_dim 64 an 11-bit norm
+costs 0.17 bits per coordinate (an fp16 one 0.25) and the exact first token plus a 64-token
+recent band another 65 * 16 / 4096 = 0.254, so a "3.5-bit" cache has about 3.07 bits of codes
+per coordinate.
 
 Every preset is TurboQuant-MSE (dense rotation, Lloyd-Max codes) for keys and values with the
-first token and a 32-token recent band exact, per-head key centering and norm correction; what
-differs is the budget (spec token ``alloc=``): the bits of each layer's keys and values are
-chosen for the model at hand by :mod:`rqlib.allocation`, from a table of measured
-sensitivities, so that the average bits are at most the budget. A preset is therefore resolved
-against a model before use (``rqlib.allocation.resolve``; ``compress`` and ``evaluate`` do it).
+first token and a 64-token recent band exact, per-head key centering, norm correction and
+11-bit norms (``nm=6``); what differs is the budget (spec token ``alloc=``): the bits of
+each layer's keys and values are chosen for the model at hand by :mod:`rqlib.allocation`,
+from a table of measured sensitivities, so that the average bits are at most the budget. A
+preset is therefore resolved against a model before use (``rqlib.allocation.resolve``;
+``compress`` and ``evaluate`` do it).
 
 Every preset is data-free: the key means used for centering are fitted on the ``pydoc``
 calibration corpus (2048 tokens, see :mod:`rqlib.hf.calibration`) and the sensitivities are
@@ -54,9 +56,9 @@ class PresetTarget:
 
 # name -> compact spec.
 PRESETS: dict[str, str] = {
-    "rq-3.5": "turboquant-mse:b3:sink1:win32:ctr:nc:alloc=3.5",
-    "rq-3": "turboquant-mse:b3:sink1:win32:ctr:nc:alloc=3",
-    "rq-2.5": "turboquant-mse:b3:sink1:win32:ctr:nc:alloc=2.5",
+    "rq-3.5": "turboquant-mse:b3:sink1:win64:ctr:nc:nm=6:alloc=3.5",
+    "rq-3": "turboquant-mse:b3:sink1:win64:ctr:nc:nm=6:alloc=3",
+    "rq-2.5": "turboquant-mse:b3:sink1:win64:ctr:nc:nm=6:alloc=2.5",
 }
 
 # The hand-made presets of the first landing (extra bits for the first layers), kept as the
@@ -67,42 +69,28 @@ HANDMADE: dict[str, str] = {
     "rq-2.5": "turboquant-mse:b2:k0-3=3:v0-2=3:sink1:win32:ctr:nc",
 }
 
-# name -> what the preset is and the measured evidence. "Measured" = results/presets-smollm2.json:
-# SmolLM2-135M, wikitext-2 test, first 8192 tokens, 8 non-overlapping windows of 1024, K and V
-# compressed, FP in the same run (PPL 29.185); bits from rqlib.eval.average_bits at 4096.
+# name -> what the preset is and the measured evidence: results/presets-smollm2.json and
+# results/presets-gemma3.json (wikitext-2 test, first 8192 tokens, 8 non-overlapping windows of
+# 1024, K and V compressed, FP in the same run: SmolLM2 PPL 29.185, Gemma 3 PPL 41.053; bits
+# from rqlib.eval.average_bits at 4096), the hand-made predecessors on the same tokens
+# (results/presets-handmade-*.json) and the ablation (results/ablation-smollm2.json).
 PRESET_NOTES: dict[str, str] = {
     "rq-3.5": (
-        "3-bit TurboQuant (dense rotation, Lloyd-Max codes) for keys and values, one more bit "
-        "for the keys of layers 0-3 and the values of layers 0-2; per-head key centering "
-        "calibrated on pydoc; first token and a 32-token recent band exact; norm correction. "
-        "Measured: 3.498 bits (K 3.516, V 3.479), PPL 29.933 (+2.56%), KL 0.0201, top-1 0.922. "
-        "Misses the issue-5 target (+1%, KL 0.01) by 1.56 points of PPL and 2x in KL. "
-        "Ablation (results/ablation-smollm2.json, first 512 tokens, one window, KL 0.0180 for "
-        "the preset): without the recent band KL 0.0858, without the sink 0.0523, without norm "
-        "correction 0.0256, Hadamard instead of dense 0.0253, without centering 0.0237, without "
-        "the per-layer bits 0.0207 (at 3.381 bits), QJL (m=d, orthogonal) for keys 0.0358 at "
-        "3.623 bits; 8 key outlier channels at +1 bit lower it to 0.0158 but cost 3.685 bits. "
-        "Plain turboquant-mse:b3 (3.25 bits): 0.1983. Same tokens, "
-        "results/ablation-smollm2-extra.json: rotor blocks instead of dense 0.1011 (3.623 "
-        "bits), QJL with m=128 orthogonal 0.0157 but at 4.123 bits, layer 0 exact 0.0178 at "
-        "3.885 bits (no gain)."
+        "Per-layer bits allocated at 3.5 bits (SmolLM2: keys mostly 4 bits, 5 in layers 18, "
+        "20 and 23, 2 in the least sensitive; values mostly 3). SmolLM2: 3.494 bits, +1.13 %, "
+        "KL 0.0069, top-1 0.953: meets the KL target (0.01), misses the PPL target (+1 %) by "
+        "0.13 points. Hand-made rq-3.5 on the same tokens: +2.56 %, KL 0.0201. "
+        "Gemma 3 270M: 3.493 bits, -0.05 %, KL 0.0149 (hand-made: +10.5 %)."
     ),
     "rq-3": (
-        "Keys at 3 bits (4 in layers 0-2), values at 2 bits (3 in layers 0-3); the same "
-        "centering, sink, recent band and norm correction as rq-3.5. "
-        "Measured: 2.998 bits (K 3.483, V 2.512), PPL 30.643 (+5.00%), KL 0.0373, top-1 0.891. "
-        "Misses the target (+3%, KL 0.03) by 2.0 points of PPL and 0.007 nats of KL. "
-        "Ablation (first 512 tokens, KL 0.0344 for the preset): without the recent band 0.1476, "
-        "K/V bits exchanged (2-bit keys, 3-bit values) 0.1087, without the per-layer bits "
-        "0.0448, without centering 0.0399: keys need the bits more than values; "
-        "ablation-smollm2-extra.json: without the sink 0.0787, without norm correction "
-        "0.0412, Hadamard instead of dense 0.0447."
+        "Per-layer bits allocated at 3 bits. SmolLM2: 2.994 bits, +2.10 %, KL 0.0160, top-1 "
+        "0.926: meets its target (+3 %, KL 0.03). Hand-made rq-3: +5.00 %, KL 0.0373. "
+        "Gemma 3 270M: 2.993 bits, +2.35 %, KL 0.0295 (hand-made: +11.5 %)."
     ),
     "rq-2.5": (
-        "2-bit keys and values, one more bit for the keys of layers 0-3 and the values of "
-        "layers 0-2; centering, sink, recent band and norm correction as rq-3.5. "
-        "Measured: 2.498 bits (K 2.516, V 2.479), PPL 34.077 (+16.76%), KL 0.1257, top-1 0.823. "
-        "Misses the target (+10%) by 6.8 points of PPL."
+        "Per-layer bits allocated at 2.5 bits (many value layers at 1 bit). SmolLM2: 2.494 "
+        "bits, +4.63 %, KL 0.0411, top-1 0.888: meets its target (+10 %). Hand-made rq-2.5: "
+        "+16.8 %, KL 0.126. Gemma 3 270M: 2.493 bits, +0.59 %, KL 0.0706 (hand-made: +76 %)."
     ),
 }
 

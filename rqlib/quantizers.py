@@ -22,7 +22,10 @@ code's choice; u uniform on the unit sphere of R^D). Its variance is at most
 Storage accounting (``bits_per_vector``): a ``-prod`` quantizer with b bits spends b − 1 bits
 per rotated coordinate on the MSE codes and one bit per sketch row on QJL signs (m = d by
 default), so at m = d it stores as many code bits as the ``-mse`` quantizer with b bits, plus
-one extra norm (the residual's). Norms are stored in ``norm_dtype`` (float16: 16 bits each).
+one extra norm (the residual's). Norms are stored in ``norm_dtype`` (float16: 16 bits each), or
+with ``norm_mantissa_bits=m`` rounded to a sign-free float of 5 exponent and ``m`` mantissa
+bits (a norm is never negative): 5 + m bits each, held in float16 containers by this reference
+implementation and counted at 5 + m bits by :attr:`Quantizer.bits_per_vector`.
 """
 
 from __future__ import annotations
@@ -158,11 +161,13 @@ class Quantizer:
         qjl_dim: int | None,
         codebook_law: str,
         norm_dtype: torch.dtype,
+        norm_mantissa_bits: int | None = None,
     ):
         self.method, self.d, self.bits, self.seed = method, d, bits, seed
         self.has_qjl = METHODS[method][1]
         self.mse_bits = bits - 1 if self.has_qjl else bits
         self.norm_dtype = norm_dtype
+        self.norm_mantissa_bits = norm_mantissa_bits
         self.rotation: Rotation = make_rotation(rotation, d, seed)
         self.rotated_dim = self.rotation.out_dim
         self.codebook: Codebook | None = (
@@ -193,6 +198,9 @@ class Quantizer:
 
     @property
     def norm_bits(self) -> int:
+        """Bits of one stored norm: the dtype's, or 5 + m for the sign-free e5m<m> format."""
+        if self.norm_mantissa_bits is not None:
+            return FP16_EXPONENT_BITS + self.norm_mantissa_bits
         return torch.finfo(self.norm_dtype).bits
 
     @property
@@ -216,8 +224,11 @@ class Quantizer:
         return x.float()
 
     def store_norms(self, values: torch.Tensor, name: str = "norm") -> torch.Tensor:
-        """Norms rounded to ``norm_dtype`` for storage; an overflow is an error, not an inf."""
+        """Norms rounded to ``norm_dtype`` (and to ``norm_mantissa_bits`` if set) for storage;
+        an overflow is an error, not an inf."""
         stored = values.to(self.norm_dtype)
+        if self.norm_mantissa_bits is not None:
+            stored = round_fp16_mantissa(stored, self.norm_mantissa_bits)
         if not bool(torch.isfinite(stored).all()):
             raise ValueError(
                 f"a {name} overflows {self.norm_dtype} (largest {float(values.max()):.3g}); "
@@ -307,6 +318,30 @@ class Quantizer:
         return estimate
 
 
+FP16_EXPONENT_BITS, FP16_MANTISSA_BITS = 5, 10
+
+
+def round_fp16_mantissa(values: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    """Round non-negative float16 ``values`` to ``mantissa_bits`` bits of mantissa (to nearest).
+
+    Works on the bit pattern: adding half of the dropped unit and clearing the dropped bits
+    rounds to nearest (ties away from zero), and a carry out of the mantissa correctly bumps the
+    exponent. The result is exactly representable with 5 exponent and ``mantissa_bits`` bits.
+    """
+    if values.dtype != torch.float16:
+        raise TypeError(f"values must be float16, got {values.dtype}")
+    if not 1 <= mantissa_bits <= FP16_MANTISSA_BITS:
+        raise ValueError(f"mantissa_bits must be in 1..{FP16_MANTISSA_BITS}, got {mantissa_bits}")
+    if bool((values < 0).any()):
+        raise ValueError("norms are non-negative; got a negative value")
+    dropped = FP16_MANTISSA_BITS - mantissa_bits
+    if dropped == 0:
+        return values
+    pattern = values.view(torch.int16).to(torch.int32)
+    pattern = (pattern + (1 << (dropped - 1))) & ~((1 << dropped) - 1)
+    return pattern.to(torch.int16).view(torch.float16)
+
+
 def make_quantizer(
     method: str,
     d: int,
@@ -318,6 +353,7 @@ def make_quantizer(
     qjl_dim: int | None = None,
     codebook_law: str = "beta",
     norm_dtype: torch.dtype = torch.float16,
+    norm_mantissa_bits: int | None = None,
 ) -> Quantizer:
     """Build a quantizer.
 
@@ -335,6 +371,8 @@ def make_quantizer(
         qjl_dim: number of sketch rows m (default d); prod only.
         codebook_law: ``"beta"`` (the exact coordinate law) or ``"gaussian"`` (N(0, 1/d)).
         norm_dtype: storage dtype of the norms (float16, bfloat16 or float32).
+        norm_mantissa_bits: with float16 norms, keep only this many mantissa bits (1..10):
+            norms then cost 5 + m bits (sign-free e5m<m>); default all 10 (16 bits with sign).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
@@ -354,6 +392,18 @@ def make_quantizer(
         raise ValueError(f"qjl_sketch/qjl_dim apply to '-prod' methods only, not {method!r}")
     if norm_dtype not in NORM_DTYPES:
         raise ValueError(f"norm_dtype must be one of {NORM_DTYPES}, got {norm_dtype!r}")
+    if norm_mantissa_bits is not None:
+        if norm_dtype != torch.float16:
+            raise ValueError("norm_mantissa_bits rounds float16 norms; use norm_dtype=float16")
+        if (
+            isinstance(norm_mantissa_bits, bool)
+            or not isinstance(norm_mantissa_bits, int)
+            or not 1 <= norm_mantissa_bits <= FP16_MANTISSA_BITS
+        ):
+            raise ValueError(
+                f"norm_mantissa_bits must be an int in 1..{FP16_MANTISSA_BITS}, "
+                f"got {norm_mantissa_bits!r}"
+            )
     return Quantizer(
         method,
         d,
@@ -364,4 +414,5 @@ def make_quantizer(
         qjl_dim=qjl_dim,
         codebook_law=codebook_law,
         norm_dtype=norm_dtype,
+        norm_mantissa_bits=norm_mantissa_bits,
     )

@@ -157,12 +157,14 @@ def test_presets_run_and_rq35_beats_plain_turboquant_token_by_token(rng):
     # tokens carry most of the mean), so a mean over a few hundred tokens swings from run to
     # run; the count of tokens where rq-3.5 is closer to FP than plain TurboQuant is robust,
     # and under "neither is better" it is Binomial(n, 1/2). One-sided p < 1e-3 is required
-    # (tokens of one text are not independent, hence the strict level). The first 33 tokens
-    # are left out: there rq-3.5 reads every key exactly (sink + 32-token band).
-    wins = int((kl["rq-3.5"][33:] < kl_plain[33:]).sum())
-    n = kl_plain[33:].numel()
+    # (tokens of one text are not independent, hence the strict level). The first tokens are
+    # left out: there rq-3.5 reads every key exactly (sink + recent band).
+    preset = get_preset("rq-3.5")
+    exact = preset.n_sink + preset.recent_window
+    wins = int((kl["rq-3.5"][exact:] < kl_plain[exact:]).sum())
+    n = kl_plain[exact:].numel()
     assert binomtest(wins, n, 0.5, alternative="greater").pvalue < 1e-3, (wins, n)
     assert kl["rq-3.5"].mean() < kl_plain.mean()
     # The presets are ordered by budget: more bits, closer to FP (the same sign test).
-    wins = int((kl["rq-3.5"][33:] < kl["rq-2.5"][33:]).sum())
+    wins = int((kl["rq-3.5"][exact:] < kl["rq-2.5"][exact:]).sum())
     assert binomtest(wins, n, 0.5, alternative="greater").pvalue < 1e-3, (wins, n)

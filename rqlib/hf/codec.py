@@ -223,5 +223,5 @@ def _correct_norms(x: torch.Tensor, compressed):
     numerator = (x * x_hat).sum(-1)
     denominator = (x_hat * x_hat).sum(-1)
     scale = torch.where(denominator > 0, numerator / denominator.clamp_min(1e-30), 1.0)
-    norms = (compressed.norms.float() * scale).to(compressed.norms.dtype)
+    norms = compressed.quantizer.store_norms(compressed.norms.float() * scale)
     return dataclasses.replace(compressed, norms=norms)

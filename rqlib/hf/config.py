@@ -27,6 +27,8 @@ override it). TOKENs (``name=value`` or the short form):
 ``rot=hadamard``       rotation: dense, hadamard, rotor, none (default: by method)
 ``qjl=orthogonal``     QJL sketch kind (``-prod`` only); ``m=128`` sketch size (m > d allowed)
 ``law=gaussian``       Lloyd-Max codebook law passed to the quantizer
+``nm=6``               norms (and norm-corrected scales) rounded to 6 mantissa bits: 11 bits
+                       each (sign-free e5m6) instead of 16
 ``seed=7``             seed of rotations and sketches
 ``calib=pydoc``        calibration corpus; ``ctok=2048`` its number of tokens
 ``alloc=3.5``          per-layer key and value bits chosen for this model so that the average
@@ -86,6 +88,7 @@ class CompressionConfig:
     qjl_sketch: str = "gaussian"
     qjl_dim: int | None = None
     codebook_law: str = "beta"
+    norm_mantissa: int | None = None
     center_keys: bool = False
     scale_keys: bool = False
     scale_values: bool = False
@@ -128,6 +131,10 @@ class CompressionConfig:
             raise ValueError(
                 f"codebook_law must be one of {CODEBOOK_LAWS}, got {self.codebook_law!r}"
             )
+        if self.norm_mantissa is not None:
+            _check_count("norm_mantissa", self.norm_mantissa)
+            if not 1 <= self.norm_mantissa <= 10:
+                raise ValueError(f"norm_mantissa must be in 1..10, got {self.norm_mantissa!r}")
         for name in ("n_sink", "recent_window", "key_outliers", "value_outliers", "seed"):
             _check_count(name, getattr(self, name))
         if self.outlier_extra_bits < 1:
@@ -333,6 +340,8 @@ class CompressionConfig:
             tokens.append(f"m={self.qjl_dim}")
         if self.codebook_law != default.codebook_law:
             tokens.append(f"law={self.codebook_law}")
+        if self.norm_mantissa is not None:
+            tokens.append(f"nm={self.norm_mantissa}")
         if self.seed != default.seed:
             tokens.append(f"seed={self.seed}")
         if self.calibration_corpus != default.calibration_corpus:
@@ -364,12 +373,14 @@ _KEYED = {
     "qjl": "qjl_sketch",
     "m": "qjl_dim",
     "law": "codebook_law",
+    "nm": "norm_mantissa",
     "seed": "seed",
     "calib": "calibration_corpus",
     "ctok": "calibration_tokens",
 }
 _INT_FIELDS = {
     "key_bits",
+    "norm_mantissa",
     "n_sink",
     "recent_window",
     "key_outliers",
