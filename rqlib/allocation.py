@@ -92,6 +92,17 @@ class Sensitivity:
         """``{bits: KL}`` of one item."""
         return {b: v for (k, lay, b), v in self.kl.items() if k == kind and lay == layer}
 
+    def predicted_kl(self, config: CompressionConfig) -> float:
+        """The knapsack's objective for ``config``'s per-layer bits: the summed item KLs.
+
+        ``KeyError`` if a layer's bits were not measured (e.g. 8-bit keys).
+        """
+        return sum(
+            self.kl[("key", layer, config.key_bits_of(layer))]
+            + self.kl[("value", layer, config.value_bits_of(layer))]
+            for layer in range(self.n_layers)
+        )
+
     def to_dict(self) -> dict:
         rows = [
             {"kind": kind, "layer": layer, "bits": bits, "kl": value}
@@ -222,9 +233,10 @@ def allocate(
 ) -> CompressionConfig:
     """Per-layer key and value bits minimising the summed KL within ``config.budget``.
 
-    Returns ``config`` with ``layer_key_bits``/``layer_value_bits`` set for every layer (and
-    ``key_bits``/``value_bits`` set to the most common choice) and ``budget`` cleared;
-    ``ValueError`` if even the cheapest choice exceeds the budget.
+    Returns ``config`` with ``layer_key_bits``/``layer_value_bits`` listing every layer (so the
+    resolved config says each layer's bits on its own; ``key_bits``/``value_bits`` are set to
+    the most common choice) and ``budget`` cleared; ``ValueError`` if even the cheapest choice
+    exceeds the budget.
     """
     from rqlib.eval import _codec_bits, _geometry, average_bits
 
@@ -281,8 +293,8 @@ def allocate(
     resolved = config.replace(
         key_bits=common_key,
         value_bits=common_value,
-        layer_key_bits=tuple(item for item in layer_keys if item[1] != common_key),
-        layer_value_bits=tuple(item for item in layer_values if item[1] != common_value),
+        layer_key_bits=layer_keys,
+        layer_value_bits=layer_values,
         budget=None,
     )
     spent = average_bits(resolved, model_config, context)["mean"]
@@ -324,26 +336,25 @@ def _knapsack(choices: list[list[tuple[int, float, int]]], capacity: int) -> lis
     return labels[::-1]
 
 
-def _sensitivity_name(fingerprint: str, base: CompressionConfig) -> str:
+def _cached_path(fingerprint: str, base: CompressionConfig) -> Path:
+    """Where a measured table for this model and base lives in the user cache."""
+    from rqlib.codebooks import cache_dir
+
     spec_hash = hashlib.sha256(base.spec().encode()).hexdigest()[:12]
-    return f"sensitivity-{fingerprint}-{spec_hash}.json"
+    return cache_dir() / "allocations" / f"sensitivity-{fingerprint}-{spec_hash}.json"
 
 
 def find_sensitivity(model: torch.nn.Module, config: CompressionConfig) -> Sensitivity | None:
     """The stored table for this model and base config: shipped with rqlib, else user cache."""
-    from rqlib.codebooks import cache_dir
-
     fingerprint = model_fingerprint(model)
-    base = _base_of(config).spec()
+    base = _base_of(config)
     candidates = sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []
-    candidates.append(
-        cache_dir() / "allocations" / _sensitivity_name(fingerprint, _base_of(config))
-    )
+    candidates.append(_cached_path(fingerprint, base))
     for path in candidates:
         if not path.is_file():
             continue
         data = json.loads(path.read_text())
-        if data.get("fingerprint") == fingerprint and data.get("base") == base:
+        if data.get("fingerprint") == fingerprint and data.get("base") == base.spec():
             return Sensitivity.from_dict(data)
     return None
 
@@ -361,25 +372,20 @@ def resolve(
     The sensitivity table is looked up with :func:`find_sensitivity`; if there is none it is
     measured (announced on stderr: it costs a few hundred forward passes) and cached.
     """
-    from rqlib.codebooks import cache_dir
-
     if config.budget is None:
         return config
     sensitivity = find_sensitivity(model, config)
     if sensitivity is None:
+        base = _base_of(config)
         n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         passes = n_layers * (len(KEY_BITS) + len(VALUE_BITS))
         print(
-            f"rqlib.allocation: no sensitivity table for this model and {_base_of(config).spec()};"
+            f"rqlib.allocation: no sensitivity table for this model and {base.spec()};"
             f" measuring it on {config.calibration_corpus} ({passes} forward passes, cached)",
             file=sys.stderr,
         )
         sensitivity = measure_sensitivity(model, tokenizer, config, progress=progress)
-        path = (
-            cache_dir()
-            / "allocations"
-            / _sensitivity_name(sensitivity.fingerprint, _base_of(config))
-        )
+        path = _cached_path(sensitivity.fingerprint, base)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(sensitivity.to_dict(), indent=1))
     resolved = allocate(sensitivity, config, model.config, context)

@@ -82,16 +82,19 @@ def _without_norm_correction(c: CompressionConfig) -> CompressionConfig | None:
 
 
 def _without_allocation(c: CompressionConfig) -> CompressionConfig | None:
-    """Uniform bits instead of per-layer ones: the allocation's mean code bits, rounded down."""
-    if not (c.layer_key_bits or c.layer_value_bits):
-        return None
-    if any(bits is None for _, bits in c.layer_value_bits) or c.value_bits is None:
-        return None
+    """Uniform bits instead of per-layer ones: the allocation's mean code bits, rounded down.
+
+    Applies to configs that list every layer's key and value bits, as
+    :func:`rqlib.allocation.allocate` returns them (a partial list does not say the layer count).
+    """
     keys = dict(c.layer_key_bits)
     values = dict(c.layer_value_bits)
-    layers = set(keys) | set(values)
-    n_layers = max(layers) + 1
-    total = sum(keys.get(i, c.key_bits) + values.get(i, c.value_bits) for i in range(n_layers))
+    n_layers = len(keys)
+    if not keys or set(keys) != set(range(n_layers)) or set(values) != set(keys):
+        return None
+    if any(bits is None for bits in values.values()):
+        return None
+    total = sum(keys.values()) + sum(values.values())
     uniform = max(1, total // (2 * n_layers))
     return c.replace(key_bits=uniform, value_bits=uniform, layer_key_bits=(), layer_value_bits=())
 

@@ -64,15 +64,26 @@ def test_allocation_spends_at_most_the_budget_where_it_matters(budget, rng):
     resolved = allocate(table, config, model.config)
     assert resolved.budget is None
     assert average_bits(resolved, model.config)["mean"] <= budget + 1e-9
+    assert [layer for layer, _ in resolved.layer_key_bits] == list(range(n_layers))
+    assert [layer for layer, _ in resolved.layer_value_bits] == list(range(n_layers))
     key_bits = [resolved.key_bits_of(layer) for layer in range(n_layers)]
     assert key_bits[sensitive] == max(key_bits)
-    # one more bit anywhere would break the budget, or the allocation is already maximal
-    for layer in range(n_layers):
-        bits = resolved.key_bits_of(layer)
-        if bits < max(allocation.KEY_BITS):
-            more = dict(resolved.layer_key_bits) | {layer: bits + 1}
-            bigger = resolved.replace(layer_key_bits=tuple(sorted(more.items())))
-            assert average_bits(bigger, model.config)["mean"] > budget - 0.05
+    # every item's KL falls with its bits, so an optimal allocation leaves no room for even one
+    # more bit on any item that could take one
+    for field, options in (
+        ("layer_key_bits", allocation.KEY_BITS),
+        ("layer_value_bits", allocation.VALUE_BITS),
+    ):
+        for layer, bits in getattr(resolved, field):
+            if bits < max(options):
+                more = dict(getattr(resolved, field)) | {layer: bits + 1}
+                bigger = resolved.replace(**{field: tuple(sorted(more.items()))})
+                assert average_bits(bigger, model.config)["mean"] > budget
+    # the objective it minimised is no larger than that of the cheapest uniform config,
+    # which also fits the budget
+    cheapest = config.replace(budget=None, key_bits=2, value_bits=1)
+    assert average_bits(cheapest, model.config)["mean"] <= budget
+    assert table.predicted_kl(resolved) <= table.predicted_kl(cheapest)
     with pytest.raises(ValueError, match="below the cheapest"):
         allocate(table, config.replace(budget=1.0), model.config)
     with pytest.raises(ValueError, match="layers"):

@@ -284,6 +284,18 @@ def test_channel_scaling_is_divided_out_in_scores_and_decode(rng):
         VectorCodec(codec.parts, dim, scale=-scale)
 
 
+def test_norm_corrected_norms_keep_the_short_norm_format(rng):
+    # norm correction rewrites every stored norm; with nm=4 the rewritten norms must still be
+    # e5m4 values (the low 6 of fp16's 10 mantissa bits zero), or the bit count would lie
+    dim = 32
+    quantizer = make_quantizer("turboquant-mse", dim, 3, seed=seed_of(rng), norm_mantissa_bits=4)
+    codec = VectorCodec([ChannelPart(quantizer, None)], dim, norm_correction=True)
+    compressed = codec.encode(torch.randn(1, 2, 50, dim, generator=rng) * 5)
+    norms = compressed.parts[0].norms
+    assert norms.dtype == torch.float16
+    assert (norms.view(torch.int16) & 0b111111 == 0).all()
+
+
 def test_balanced_channel_scale_minimises_the_weighted_error(rng):
     # With errors isotropic in the scaled space, the weighted error is proportional to
     # f(a) = sum(w / a^2) * sum(a^2 e); the scale must reach Cauchy-Schwarz's minimum

@@ -90,6 +90,9 @@ def test_each_lever_changes_its_preset(name):
     assert ("centering" in removed) == base.center_keys
     assert ("recent-window" in removed) == bool(base.recent_window)
     assert "allocation" in removed
+    uniform = dict((lever.name, config) for lever, config in variants)["allocation"]
+    mean_bits = sum(b for _, b in base.layer_key_bits + base.layer_value_bits) / (2 * 30)
+    assert not uniform.layer_key_bits and uniform.key_bits == uniform.value_bits == int(mean_bits)
     with pytest.raises(ValueError, match="unknown levers"):
         ablation_configs(name, ["no-such-lever"], base)
     assert set(LEVERS) >= {lever.name for lever, _ in variants}
