@@ -15,10 +15,11 @@ window are scored). No BOS is added.
 
 :func:`average_bits` is the storage a config costs per key and per value coordinate, counted
 honestly: codes, norms, QJL signs and residual norms (``Quantizer.bits_per_vector``), exact
-sink and recent tokens at 16 bits amortized over ``context`` tokens, exact layers at 16 bits,
-and per-layer calibrated constants (key means at 16 bits, outlier channel indices at 8 bits)
-amortized the same way. Every layer stores every token (sliding-window layers too), which is
-what the cache of :mod:`rqlib.hf` does.
+sink and recent tokens at 16 bits (the recent band at its codec's bits with ``wb=``) amortized
+over ``context`` tokens, exact layers at 16 bits, and per-layer calibrated constants (key
+means at 16 bits, outlier channel indices at 8 bits) amortized the same way. Every layer
+stores every token (sliding-window layers too), which is what the cache of :mod:`rqlib.hf`
+does.
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ def average_bits(config: CompressionConfig | None, model_config, context: int = 
     exact = config.exact_layer_set(n_layers)
     sink = min(config.n_sink, context) / context
     recent = min(config.recent_window, context) / context
+    band = (  # bits per coordinate of a recent-band token: exact, or codes and norm (wb=)
+        float(EXACT_BITS)
+        if config.band_bits is None
+        else _codec_bits(config, config.value_method, config.band_bits, head_dim, 0)
+    )
     key_total = value_total = 0.0
     for layer in range(n_layers):
         if layer in exact:
@@ -150,7 +156,7 @@ def average_bits(config: CompressionConfig | None, model_config, context: int = 
         key = _codec_bits(
             config, config.method, config.key_bits_of(layer), head_dim, config.key_outliers
         )
-        key += EXACT_BITS * (sink + recent)
+        key += EXACT_BITS * sink + band * recent
         if config.center_keys:
             key += EXACT_BITS / context  # one calibrated mean vector per head
         if config.scale_keys:
@@ -164,7 +170,7 @@ def average_bits(config: CompressionConfig | None, model_config, context: int = 
             value = _codec_bits(
                 config, config.value_method, value_bits, head_dim, config.value_outliers
             )
-            value += EXACT_BITS * (sink + recent)
+            value += EXACT_BITS * sink + band * recent
             if config.value_outliers:
                 value += 8 * config.value_outliers / (head_dim * context)
             if config.scale_values:

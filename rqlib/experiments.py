@@ -74,7 +74,11 @@ def _without_sink(c: CompressionConfig) -> CompressionConfig | None:
 
 
 def _without_window(c: CompressionConfig) -> CompressionConfig | None:
-    return c.replace(recent_window=0) if c.recent_window else None
+    return c.replace(recent_window=0, band_bits=None) if c.recent_window else None
+
+
+def _exact_band(c: CompressionConfig) -> CompressionConfig | None:
+    return None if c.band_bits is None else c.replace(band_bits=None)
 
 
 def _without_norm_correction(c: CompressionConfig) -> CompressionConfig | None:
@@ -161,7 +165,13 @@ LEVERS: dict[str, Lever] = {
     for lever in (
         Lever("centering", "removed", "no per-head key centering", _without_centering),
         Lever("sink", "removed", "first token no longer exact", _without_sink),
-        Lever("recent-window", "removed", "no exact recent band", _without_window),
+        Lever("recent-window", "removed", "no recent band", _without_window),
+        Lever(
+            "band-codes",
+            "removed",
+            "recent band kept exact at 16 bits instead of 8-bit codes (same per-layer bits)",
+            _exact_band,
+        ),
         Lever("norm-correction", "removed", "plain fp16 norms", _without_norm_correction),
         Lever(
             "short-norms",
@@ -192,7 +202,7 @@ LEVERS: dict[str, Lever] = {
             "key channels weighted by (query / key energy)^1/4 (ks)",
             _with_key_scaling,
         ),
-        Lever("window-x2", "swapped", "recent exact band twice as wide", _wider_window),
+        Lever("window-x2", "swapped", "recent band twice as wide", _wider_window),
     )
 }
 

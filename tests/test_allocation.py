@@ -13,6 +13,7 @@ from rqlib import allocation
 from rqlib.allocation import Sensitivity, allocate, resolve
 from rqlib.eval import average_bits
 from rqlib.hf import CompressionConfig, compress
+from rqlib.quantizers import make_quantizer
 
 
 def test_knapsack_matches_brute_force(rng):
@@ -107,6 +108,25 @@ def test_unresolved_budgets_are_refused():
             CompressionConfig.parse(spec)
     with pytest.raises(ValueError, match="exact="):
         allocation._base_of(CompressionConfig.parse("turboquant-mse:b3:exact=0:alloc=3"))
+
+
+def test_a_table_ignores_only_near_exact_formats(rng):
+    # A sensitivity table serves configs that differ from its base only by formats too fine to
+    # move it: 11-bit norms and a band of 8-bit codes. Anything else is a different base.
+    spec = "turboquant-mse:b3:sink1:win64:ctr:nc:alloc=3"
+    base = allocation._base_of(CompressionConfig.parse(spec))
+    for extra, same in [("nm=6", True), ("wb=8", True), ("wb=6", False), ("ks", False)]:
+        assert (allocation._base_of(CompressionConfig.parse(f"{spec}:{extra}")) == base) == same
+    # ...because 8-bit codes are that fine: the relative error of a vector (rms over 2000
+    # Gaussian vectors, d = 64) is ~0.6 % at 8 bits (bound 1 %) and ~2.6 % at 6 bits
+    x = torch.randn(2000, 64, generator=rng)
+
+    def relative_error(bits: int) -> float:
+        quantizer = make_quantizer("turboquant-mse", 64, bits, seed=seed_of(rng))
+        x_hat = quantizer.dequantize(quantizer.quantize(x))
+        return ((x_hat - x).norm(dim=-1) / x.norm(dim=-1)).pow(2).mean().sqrt().item()
+
+    assert relative_error(allocation.NEAR_EXACT_BAND_BITS) < 0.01 < 0.02 < relative_error(6)
 
 
 def test_resolve_measures_once_then_reads_the_cache(rng, tmp_path, monkeypatch):

@@ -58,6 +58,13 @@ def test_average_bits_counts_codes_norms_qjl_and_exact_tokens():
     # 1 sink + 32 recent tokens exact (K and V) at 16 bits, amortized over 4096 tokens
     windowed = average_bits(CompressionConfig.parse("turboquant-mse:b3:sink1:win32"), SMOL_LIKE)
     assert windowed["key"] == pytest.approx((64 * 3 + 16) / 64 + 16 * 33 / 4096)
+    # the same band stored at 8 bits (wb=8): 8-bit codes and an 11-bit norm (nm=6) per token
+    banded = average_bits(
+        CompressionConfig.parse("turboquant-mse:b3:sink1:win32:wb=8:nm=6"), SMOL_LIKE
+    )
+    codes = (64 * 3 + 11) / 64
+    assert banded["key"] == pytest.approx(codes + 16 / 4096 + 32 * (64 * 8 + 11) / 64 / 4096)
+    assert banded["value"] == banded["key"]
     # two exact layers of 30
     exact = average_bits(CompressionConfig.parse("turboquant-mse:b3:exact=0,-1"), SMOL_LIKE)
     assert exact["key"] == pytest.approx((28 * 3.25 + 2 * 16) / 30)

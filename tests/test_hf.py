@@ -147,13 +147,15 @@ def test_left_padded_batch_matches_sdpa(kind, rng):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, rng):
-    # The exact band is relative to each query, so feeding the tokens in chunks (as decoding
-    # does) must give the same logits as one prefill. fp64 makes the keys of both runs equal to
-    # ~1e-15, far below the quantizer's fp32 resolution, so no code flips between the runs.
+@pytest.mark.parametrize("band", ["", ":wb=5"])
+def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng):
+    # The band is relative to each query, so feeding the tokens in chunks (as decoding does)
+    # must give the same logits as one prefill, whether the band is exact or kept as codes.
+    # fp64 makes the keys of both runs equal to ~1e-15, far below the quantizer's fp32
+    # resolution, so no code flips between the runs.
     model = tiny_model(kind, seed_of(rng), dtype=torch.float64)
     ids = random_ids(rng, 1, 20)
-    spec = "turboquant-mse:k2:v3:sink1:win4"
+    spec = "turboquant-mse:k2:v3:sink1:win4" + band
     with torch.no_grad():
         with compress(model, spec) as cache:
             whole = model(ids, cache=cache).logits
@@ -168,8 +170,15 @@ def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, rng):
     assert (whole - model(ids).logits).abs().max().item() > 1e-3
 
 
-def _reference_attention(q, keys, values, key_hat, value_hat, n_sink, window, scale):
-    """Per-query loop from the definition; q [B,Hq,L,d] are the last L of S positions."""
+def _reference_attention(
+    q, keys, values, key_hat, value_hat, n_sink, window, scale, band_keys=None, band_values=None
+):
+    """Per-query loop from the definition; q [B,Hq,L,d] are the last L of S positions.
+
+    Sink tokens read ``keys``/``values``; the band reads ``band_keys``/``band_values`` (default:
+    the exact ones too); every other token reads ``key_hat``/``value_hat``."""
+    band_keys = keys if band_keys is None else band_keys
+    band_values = values if band_values is None else band_values
     batch, q_heads, length, _ = q.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
@@ -178,29 +187,39 @@ def _reference_attention(q, keys, values, key_hat, value_hat, n_sink, window, sc
         i = n_keys - length + row
         for h in range(q_heads):
             g = h // group
-            exact = [(j < n_sink) or (i - window < j <= i) for j in range(i + 1)]
-            k = torch.stack(
-                [keys[:, g, j] if exact[j] else key_hat[:, g, j] for j in range(i + 1)], 1
-            )
-            v = torch.stack(
-                [values[:, g, j] if exact[j] else value_hat[:, g, j] for j in range(i + 1)], 1
-            )
+            # what key / value j is read as: exact (sink), band, or compressed
+            source = [
+                "sink" if j < n_sink else "band" if i - window < j <= i else "c"
+                for j in range(i + 1)
+            ]
+            pick = {
+                "sink": (keys, values),
+                "band": (band_keys, band_values),
+                "c": (key_hat, value_hat),
+            }
+            k = torch.stack([pick[s][0][:, g, j] for j, s in enumerate(source)], 1)
+            v = torch.stack([pick[s][1][:, g, j] for j, s in enumerate(source)], 1)
             scores = torch.einsum("bd,bjd->bj", q[:, h, row].double(), k.double()) * scale
             weights = torch.softmax(scores, -1)
             out[:, h, row] = torch.einsum("bj,bjd->bd", weights, v.double())
     return out
 
 
-def test_layer_attention_matches_the_definition(rng):
+def _codec(dim: int, bits: int, seed: int) -> VectorCodec:
+    return VectorCodec(
+        [ChannelPart(make_quantizer("turboquant-mse", dim, bits, seed=seed), None)], dim
+    )
+
+
+@pytest.mark.parametrize("band_bits", [None, 4])
+def test_layer_attention_matches_the_definition(band_bits, rng):
     seed = seed_of(rng)
     batch, q_heads, kv_heads, dim = 2, 4, 2, 16
-    key_codec = VectorCodec(
-        [ChannelPart(make_quantizer("turboquant-mse", dim, 2, seed=seed), None)], dim
-    )
-    value_codec = VectorCodec(
-        [ChannelPart(make_quantizer("turboquant-mse", dim, 3, seed=seed + 1), None)], dim
-    )
-    layer = CompressedLayer(0, key_codec, value_codec, n_sink=2, recent_window=3)
+    key_codec, value_codec = _codec(dim, 2, seed), _codec(dim, 3, seed + 1)
+    band_codecs = (None, None)
+    if band_bits is not None:
+        band_codecs = (_codec(dim, band_bits, seed + 2), _codec(dim, band_bits, seed + 3))
+    layer = CompressedLayer(0, key_codec, value_codec, 2, 3, band_codecs)
     layer.active = True
     keys = torch.randn(batch, kv_heads, 11, dim, generator=rng)
     values = torch.randn(batch, kv_heads, 11, dim, generator=rng)
@@ -215,11 +234,22 @@ def test_layer_attention_matches_the_definition(rng):
         output = layer.attend(q, returned, mask, scale).transpose(1, 2)
         key_hat = key_codec.decode(key_codec.encode(keys[:, :, :last]))
         value_hat = value_codec.decode(value_codec.encode(values[:, :, :last]))
+        band = [None, None]
+        for index, (codec, x) in enumerate(zip(band_codecs, (keys, values))):
+            if codec is not None:  # each vector is coded on its own: code all, read the band
+                band[index] = codec.decode(codec.encode(x[:, :, :last]))
         expected = _reference_attention(
-            q, keys[:, :, :last], values[:, :, :last], key_hat, value_hat, 2, 3, scale
+            q, keys[:, :, :last], values[:, :, :last], key_hat, value_hat, 2, 3, scale, *band
         )
         # fp32 against a float64 loop; norms rounded to fp16 identically on both sides
         assert torch.allclose(output.double(), expected, atol=1e-5, rtol=1e-4)
+        if band_bits is not None:  # and the 4-bit band is really read: not the exact one
+            exact_band = _reference_attention(
+                q, keys[:, :, :last], values[:, :, :last], key_hat, value_hat, 2, 3, scale
+            )
+            assert (output.double() - exact_band).abs().max().item() > 1e-3
+    if band_bits is not None:  # what is kept: the codes of the last 3 tokens, nothing exact
+        assert layer.recent_keys.length == 3 and layer.recent_values.length == 3
 
 
 def test_centering_and_outliers_are_exact_in_the_score(rng):
@@ -324,7 +354,8 @@ def test_balanced_channel_scale_minimises_the_weighted_error(rng):
         key_channel_scale(w[:, :8], e)
 
 
-def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
+def head_dim_64_model(rng: torch.Generator) -> LlamaForCausalLM:
+    """A random Llama with 2 layers, 1 KV head and head_dim 64 (SmolLM2's), in eval mode."""
     torch.manual_seed(seed_of(rng))
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -335,7 +366,11 @@ def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
         num_key_value_heads=1,
         head_dim=64,
     )
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
+    model = head_dim_64_model(rng)
     with torch.no_grad(), compress(model, "turboquant-mse:k3:v3") as cache:
         model(random_ids(rng, 1, 40), cache=cache)
         per_token = cache.bytes_per_token()
@@ -346,7 +381,27 @@ def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
     assert per_token < fp16 / 4
     from rqlib.eval import bytes_per_token
 
-    assert bytes_per_token(CompressionConfig.parse("turboquant-mse:k3:v3"), config) == per_token
+    spec = CompressionConfig.parse("turboquant-mse:k3:v3")
+    assert bytes_per_token(spec, model.config) == per_token
+
+
+def test_an_8_bit_band_is_stored_as_codes_and_read(rng):
+    model = head_dim_64_model(rng)
+    ids = random_ids(rng, 1, 40)
+    with torch.no_grad():
+        with compress(model, "turboquant-mse:k3:v3:win8") as cache:
+            exact_band = model(ids, cache=cache).logits
+        with compress(model, "turboquant-mse:k3:v3:win8:wb=8") as cache:
+            coded_band = model(ids, cache=cache).logits
+            stored = cache.nbytes()
+        with compress(model, "turboquant-mse:k3:v3:win8:wb=2") as cache:
+            coarse_band = model(ids, cache=cache).logits
+    # per layer, K and V: 40 tokens of 3-bit codes (24 bytes + 2 of fp16 norm) and 8 band
+    # tokens of 8-bit codes (64 bytes + 2 of norm); 2 layers x 1 KV head
+    assert stored == 2 * 2 * (40 * 26 + 8 * 66)
+    # an 8-bit band moves the logits far less than a 2-bit one (relative error per vector
+    # ~0.6 % against ~34 %); both move them (the band codes are really read)
+    assert 0 < (coded_band - exact_band).abs().max() < 0.1 * (coarse_band - exact_band).abs().max()
 
 
 def test_model_is_restored_after_an_exception(rng):
@@ -421,6 +476,8 @@ def test_model_without_attention_interface_is_refused():
         ("turboquant-mse:k3:vo8", "value_outliers needs"),
         ("turboquant-mse:k3:vs", "scale_values needs"),
         ("turboquant-mse:k3:nm=11", "norm_mantissa"),
+        ("turboquant-mse:k3:wb=8", "add winN"),
+        ("turboquant-mse:k3:win8:wb=9", "band_bits"),
         ("preset:nonexistent", "unknown preset"),
         ("", "non-empty"),
     ],

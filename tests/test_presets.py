@@ -89,6 +89,7 @@ def test_each_lever_changes_its_preset(name):
     # a preset that uses an ingredient gets a row without it
     assert ("centering" in removed) == base.center_keys
     assert ("recent-window" in removed) == bool(base.recent_window)
+    assert ("band-codes" in removed) == (base.band_bits is not None)
     assert "allocation" in removed
     uniform = dict((lever.name, config) for lever, config in variants)["allocation"]
     mean_bits = sum(b for _, b in base.layer_key_bits + base.layer_value_bits) / (2 * 30)

@@ -39,7 +39,7 @@ __all__ = [
     "compress",
 ]
 
-KEY_SEED, VALUE_SEED, OUTLIER_SEED = 0, 1, 2
+KEY_SEED, VALUE_SEED, OUTLIER_SEED, KEY_BAND_SEED, VALUE_BAND_SEED = 0, 1, 2, 3, 4
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -211,8 +211,38 @@ def build_cache(
                 calibration.value_energy[layer] if config.value_outliers else None,
                 value_scale,
             )
+        key_band = value_band = None
+        if config.band_bits is not None:  # the recent band as codes of the values' MSE family
+            key_band = _make_codec(
+                config,
+                config.value_method,
+                config.band_bits,
+                head_dim,
+                base_seed + KEY_BAND_SEED,
+                calibration.key_means[layer] if config.center_keys else None,
+                0,
+                None,
+            )
+            if value_codec is not None:
+                value_band = _make_codec(
+                    config,
+                    config.value_method,
+                    config.band_bits,
+                    head_dim,
+                    base_seed + VALUE_BAND_SEED,
+                    None,
+                    0,
+                    None,
+                )
         layers.append(
-            CompressedLayer(layer, key_codec, value_codec, config.n_sink, config.recent_window)
+            CompressedLayer(
+                layer,
+                key_codec,
+                value_codec,
+                config.n_sink,
+                config.recent_window,
+                (key_band, value_band),
+            )
         )
     return CompressedCache(layers, config, id(model))
 

@@ -5,9 +5,10 @@ Each :class:`CompressedLayer` holds, for every token seen so far (prefill and de
 - the keys compressed and bit-packed (``CompressedParts``), and the values compressed too, or
   kept in full precision when the config's value bits are ``None``;
 - exact copies of the first ``n_sink`` tokens' keys and values;
-- exact copies of the last ``recent_window`` tokens' keys and values: a query at position ``i``
-  reads keys ``i-W+1..i`` exactly, so the next chunk needs the previous ``W-1`` tokens (the
-  ``W``-th is the current token, which a decode step computes exactly anyway).
+- copies of the last ``recent_window`` tokens' keys and values: a query at position ``i``
+  reads keys ``i-W+1..i`` from this band, so the next chunk needs the previous ``W-1`` tokens
+  (the ``W``-th is the current token, which a decode step computes anyway). The band is exact,
+  or, with band codecs (``wb=8``), stored as 8-bit codes and read back decoded.
 
 Layers listed in ``exact_layers`` store plain keys and values. The exact copies are stored in
 the model's dtype (fp32 in our runs, counted at that size by :meth:`CompressedCache.nbytes`);
@@ -65,6 +66,7 @@ class CompressedLayer(CacheLayerMixin):
         value_codec: VectorCodec | None,
         n_sink: int = 0,
         recent_window: int = 0,
+        band_codecs: tuple[VectorCodec | None, VectorCodec | None] = (None, None),
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -72,6 +74,9 @@ class CompressedLayer(CacheLayerMixin):
         self.value_codec = value_codec
         self.n_sink = n_sink
         self.recent_window = recent_window
+        self.key_band_codec, self.value_band_codec = band_codecs
+        if band_codecs[0] is not None and not recent_window:
+            raise ValueError("band codecs need a recent band (recent_window > 0)")
         self.active = False  # set by rqlib.hf.compress for the duration of its block
         self.reset()
 
@@ -135,16 +140,27 @@ class CompressedLayer(CacheLayerMixin):
                 if exact_values:
                     self.sink_values = _cat(self.sink_values, value_states[..., :take, :])
             if self.recent_window:
-                band_keys = _cat(self.recent_keys, key_states)
+                band_keys, self.recent_keys = self._band(
+                    self.key_band_codec, self.recent_keys, key_states
+                )
                 chunk.update(band_start=start + new - band_keys.shape[-2], band_keys=band_keys)
-                self.recent_keys = band_keys[..., -self.recent_window :, :]
                 if exact_values:
-                    band_values = _cat(self.recent_values, value_states)
-                    chunk["band_values"] = band_values
-                    self.recent_values = band_values[..., -self.recent_window :, :]
+                    chunk["band_values"], self.recent_values = self._band(
+                        self.value_band_codec, self.recent_values, value_states
+                    )
         self.length = start + new
         self._chunk = chunk
         return key_states, value_states
+
+    def _band(self, codec: VectorCodec | None, kept, new_states: torch.Tensor):
+        """The band this chunk's queries read (the kept tail, then the new tokens) and the tail
+        to keep for the next chunk: exact tensors, or ``codec`` codes decoded for reading."""
+        if codec is None:
+            band = _cat(kept, new_states)
+            return band, band[..., -self.recent_window :, :]
+        encoded = codec.encode(new_states)
+        parts = encoded if kept is None else kept.cat(encoded)
+        return codec.decode(parts), parts.tail(self.recent_window)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -169,7 +185,9 @@ class CompressedLayer(CacheLayerMixin):
             "recent_values",
         ):
             tensor = getattr(self, name)
-            if tensor is not None:
+            if isinstance(tensor, CompressedParts):  # a band kept as codes
+                setattr(self, name, tensor.map(fn))
+            elif tensor is not None:
                 setattr(self, name, fn(tensor))
         for name in ("compressed_keys", "compressed_values"):
             parts = getattr(self, name)
@@ -198,7 +216,9 @@ class CompressedLayer(CacheLayerMixin):
             self.recent_keys,
             self.recent_values,
         ):
-            if tensor is not None:
+            if isinstance(tensor, CompressedParts):  # a band kept as codes
+                total += tensor.nbytes()
+            elif tensor is not None:
                 total += tensor.numel() * tensor.element_size()
         for parts in (self.compressed_keys, self.compressed_values):
             if parts is not None:
@@ -256,14 +276,14 @@ class CompressedLayer(CacheLayerMixin):
     def _mixed_scores(self, query: torch.Tensor, chunk: dict):
         scores = self.key_codec.scores(query, self.compressed_keys)
         exact = self._exact_positions(query.shape[2], query.device)
-        if self.sink_keys is not None:
-            n = self.sink_keys.shape[-2]
-            sink = _grouped_scores(query, self.sink_keys)
-            scores[..., :n] = torch.where(exact[:, :n], sink, scores[..., :n])
         if self.recent_window:
             first = chunk["band_start"]
             band = _grouped_scores(query, chunk["band_keys"])
             scores[..., first:] = torch.where(exact[:, first:], band, scores[..., first:])
+        if self.sink_keys is not None:  # after the band: a pair in both reads the exact sink
+            n = self.sink_keys.shape[-2]
+            sink = _grouped_scores(query, self.sink_keys)
+            scores[..., :n] = torch.where(exact[:, :n], sink, scores[..., :n])
         return scores, exact
 
     def _weighted_values(self, weights: torch.Tensor, exact: torch.Tensor | None, chunk: dict):

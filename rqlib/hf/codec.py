@@ -112,6 +112,12 @@ class CompressedParts:
             tuple(cls.cat([a, b], dim=2) for a, b in zip(self.parts, other.parts))
         )
 
+    def tail(self, n: int) -> CompressedParts:
+        """The last ``n`` tokens (all of them when there are fewer)."""
+        if n < 1:
+            raise ValueError(f"tail needs n >= 1, got {n!r}")
+        return self.map(lambda t: t[:, :, -n:])
+
     def map(self, fn) -> CompressedParts:
         """Apply ``fn`` to every tensor field of every part (batch slicing, devices)."""
         return CompressedParts(tuple(part.map(fn) for part in self.parts))

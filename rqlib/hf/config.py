@@ -16,6 +16,8 @@ override it). TOKENs (``name=value`` or the short form):
 ``k0-1=4``, ``v29=5``  bits for a layer or an inclusive layer range (``v5=fp`` allowed)
 ``sink1``              the first N tokens of the sequence kept exact (K and V)
 ``win32``              a band of the W most recent tokens kept exact, relative to each query
+``wb=8``               the recent band stored at 8 bits (MSE codes of the values' family,
+                       norms as ``nm`` says) instead of exact 16-bit copies
 ``exact=0,-1``         layers kept exact (negative counts from the end); ``exact=none``
 ``ctr``                per-layer, per-KV-head key centering with a mean calibrated on pydoc
 ``ks``                 key channel scaling: each channel weighted by (query / key energy)^1/4,
@@ -76,7 +78,8 @@ class CompressionConfig:
     Everything attention reads is compressed and then decompressed or estimated, in prefill
     too, except what this config keeps exact: the first ``n_sink`` tokens, the
     ``recent_window`` most recent tokens relative to each query (query ``i`` reads keys
-    ``i-W+1..i`` exactly) and the layers in ``exact_layers``.
+    ``i-W+1..i`` exactly, or at ``band_bits`` when that is set) and the layers in
+    ``exact_layers``.
     """
 
     method: str = "turboquant-mse"
@@ -94,6 +97,7 @@ class CompressionConfig:
     scale_values: bool = False
     n_sink: int = 0
     recent_window: int = 0
+    band_bits: int | None = None
     exact_layers: tuple[int, ...] = ()
     key_outliers: int = 0
     value_outliers: int = 0
@@ -137,6 +141,10 @@ class CompressionConfig:
                 raise ValueError(f"norm_mantissa must be in 1..10, got {self.norm_mantissa!r}")
         for name in ("n_sink", "recent_window", "key_outliers", "value_outliers", "seed"):
             _check_count(name, getattr(self, name))
+        if self.band_bits is not None:
+            _check_bits("band_bits", self.band_bits, allow_none=False)
+            if not self.recent_window:
+                raise ValueError("band_bits (wb=) sets the precision of the recent band: add winN")
         if self.outlier_extra_bits < 1:
             raise ValueError(f"outlier_extra_bits must be >= 1, got {self.outlier_extra_bits!r}")
         if self.key_outliers:
@@ -316,6 +324,8 @@ class CompressionConfig:
             tokens.append(f"sink{self.n_sink}")
         if self.recent_window:
             tokens.append(f"win{self.recent_window}")
+        if self.band_bits is not None:
+            tokens.append(f"wb={self.band_bits}")
         if self.exact_layers:
             tokens.append("exact=" + ",".join(str(layer) for layer in self.exact_layers))
         if self.center_keys:
@@ -366,6 +376,7 @@ _KEYED = {
     "v": "value_bits",
     "sink": "n_sink",
     "win": "recent_window",
+    "wb": "band_bits",
     "ko": "key_outliers",
     "vo": "value_outliers",
     "obits": "outlier_extra_bits",
@@ -383,6 +394,7 @@ _INT_FIELDS = {
     "norm_mantissa",
     "n_sink",
     "recent_window",
+    "band_bits",
     "key_outliers",
     "value_outliers",
     "outlier_extra_bits",
