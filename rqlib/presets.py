@@ -92,8 +92,8 @@ PRESET_NOTES: dict[str, str] = {
     ),
     "rq-2.5": (
         "Per-layer bits allocated at 2.5 bits (9 value layers at 1 bit). SmolLM2: 2.489 bits, "
-        "+4.43 %, KL 0.0349, top-1 0.895: meets its target (+10 %). Band exact: +4.63 %, KL "
-        "0.0411. Hand-made rq-2.5: +16.8 %, KL 0.126. Gemma 3 270M: 2.480 bits, -0.36 %, KL "
+        "+4.42 %, KL 0.0349, top-1 0.895: meets its target (+10 %). Band exact: +4.63 %, KL "
+        "0.0411. Hand-made rq-2.5: +16.8 %, KL 0.126. Gemma 3 270M: 2.480 bits, -0.35 %, KL "
         "0.0600 (hand-made: +76 %)."
     ),
 }
