@@ -20,8 +20,11 @@ measured on the spot and cached.
 
 ::
 
-    python -m rqlib.allocation --model smollm2-135m \\
-        --base turboquant-mse:sink1:win32:ctr:nc --json rqlib/allocations/smollm2-135m.json
+    python -m rqlib.allocation --model smollm2-135m --budget 3.5 3 2.5 \\
+        --json rqlib/allocations/smollm2-135m.json
+
+Without ``--base`` the table is measured for the presets of :mod:`rqlib.presets` (their
+storage format, bits aside), so that ``resolve`` finds it for them.
 """
 
 from __future__ import annotations
@@ -417,7 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--base", default="turboquant-mse:sink1:win32:ctr:nc")
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="the config whose storage format the table is for (default: the presets')",
+    )
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--json", required=True, type=Path)
     parser.add_argument(
@@ -431,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     model, tokenizer = load_model(args.model)
-    base = CompressionConfig.parse(args.base)
+    if args.base is None:
+        from rqlib.presets import PRESETS, get_preset
+
+        base = _uniform(get_preset(next(iter(PRESETS))))
+    else:
+        base = CompressionConfig.parse(args.base)
     sensitivity = measure_sensitivity(
         model, tokenizer, base, tokens=args.tokens, progress=not args.no_progress
     )

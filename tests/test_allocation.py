@@ -129,6 +129,29 @@ def test_a_table_ignores_only_near_exact_formats(rng):
     assert relative_error(allocation.NEAR_EXACT_BAND_BITS) < 0.01 < 0.02 < relative_error(6)
 
 
+def test_the_command_measures_for_the_presets_by_default(monkeypatch, tmp_path):
+    # `python -m rqlib.allocation --model M` must measure the table the presets will look up
+    import rqlib.models
+    from rqlib.presets import get_preset
+
+    class Measured(Exception):
+        pass
+
+    def capture(model, tokenizer, config, **kwargs):
+        raise Measured(config)
+
+    monkeypatch.setattr(rqlib.models, "load_model", lambda name: (None, None))
+    monkeypatch.setattr(allocation, "measure_sensitivity", capture)
+    for argv, expected in [
+        ([], get_preset("rq-3.5")),
+        (["--base", "turboquant-mse:win8"], CompressionConfig.parse("turboquant-mse:win8")),
+    ]:
+        with pytest.raises(Measured) as measured:
+            allocation.main(["--json", str(tmp_path / "t.json"), *argv])
+        config = measured.value.args[0]
+        assert allocation._base_of(config) == allocation._base_of(expected)
+
+
 def test_resolve_measures_once_then_reads_the_cache(rng, tmp_path, monkeypatch):
     monkeypatch.setenv("RQLIB_CACHE", str(tmp_path))
     model = tiny_model("llama", seed_of(rng))

@@ -213,27 +213,18 @@ def build_cache(
             )
         key_band = value_band = None
         if config.band_bits is not None:  # the recent band as codes of the values' MSE family
-            key_band = _make_codec(
-                config,
-                config.value_method,
-                config.band_bits,
-                head_dim,
+
+            def band_codec(seed: int, mean: torch.Tensor | None) -> VectorCodec:
+                return _make_codec(
+                    config, config.value_method, config.band_bits, head_dim, seed, mean, 0, None
+                )
+
+            key_band = band_codec(
                 base_seed + KEY_BAND_SEED,
                 calibration.key_means[layer] if config.center_keys else None,
-                0,
-                None,
             )
             if value_codec is not None:
-                value_band = _make_codec(
-                    config,
-                    config.value_method,
-                    config.band_bits,
-                    head_dim,
-                    base_seed + VALUE_BAND_SEED,
-                    None,
-                    0,
-                    None,
-                )
+                value_band = band_codec(base_seed + VALUE_BAND_SEED, None)
         layers.append(
             CompressedLayer(
                 layer,

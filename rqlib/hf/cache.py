@@ -8,7 +8,7 @@ Each :class:`CompressedLayer` holds, for every token seen so far (prefill and de
 - copies of the last ``recent_window`` tokens' keys and values: a query at position ``i``
   reads keys ``i-W+1..i`` from this band, so the next chunk needs the previous ``W-1`` tokens
   (the ``W``-th is the current token, which a decode step computes anyway). The band is exact,
-  or, with band codecs (``wb=8``), stored as 8-bit codes and read back decoded.
+  or, with band codecs (``wb=B``), stored as B-bit codes and read back decoded.
 
 Layers listed in ``exact_layers`` store plain keys and values. The exact copies are stored in
 the model's dtype (fp32 in our runs, counted at that size by :meth:`CompressedCache.nbytes`);
