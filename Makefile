@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[book,test]'
-	$(BIN)/python -m pip install --quiet --no-deps $$($(BIN)/python -m rqlib.install no-deps)
+	$(BIN)/python -m pip install --quiet --no-deps $$($(BIN)/python -m rqlib.base.install no-deps)
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

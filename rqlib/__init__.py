@@ -1,19 +1,20 @@
 """rqlib: KV-cache compression with TurboQuant, QJL and RotorQuant.
 
-Modules (import them directly; nothing heavy is imported here):
+The package is layered; a module imports only its own layer and the layers above it in this
+list (``tests/test_architecture.py`` checks it), so it reads from the bottom up:
 
-- :mod:`rqlib.clifford`   Cl(3,0) multivectors, rotors and the sandwich product
-- :mod:`rqlib.codebooks`  Lloyd-Max codebooks for one coordinate of a random unit vector
-- :mod:`rqlib.rotations`  dense Haar, randomized Hadamard and rotor-block rotations
-- :mod:`rqlib.packing`    b-bit codes and sign bits packed into uint8
-- :mod:`rqlib.quantizers` TurboQuant / RotorQuant quantizers and their inner-product estimators
-- :mod:`rqlib.kernels`    Triton kernels with torch references and a dispatcher
-- :mod:`rqlib.hf`         the transformers integration (compressed cache, attention function)
-- :mod:`rqlib.models`, :mod:`rqlib.data`, :mod:`rqlib.eval`  models, corpora, evaluation
-- :mod:`rqlib.capture`    record the queries, keys and values every attention layer sees
-- :mod:`rqlib.theory`     closed forms the book checks the library against
-- :mod:`rqlib.provenance`, :mod:`rqlib.results`, :mod:`rqlib.sweep`  what chapters record,
-  where results go, and papermill sweeps over a chapter
+- :mod:`rqlib.base`     paths, atomic file writes and locks, text corpora
+- :mod:`rqlib.core`     the mathematics: Cl(3,0) algebra, Lloyd-Max codebooks, rotations,
+  bit-packing, quantizers, the inner-product estimator, GQA helpers, closed forms
+- :mod:`rqlib.spec`     what a compressed cache is: the config and its spec language, presets,
+  model geometry, the codec plan of each layer and the bit accounting
+- :mod:`rqlib.kernels`  Triton kernels with torch references and a dispatcher
+- :mod:`rqlib.hf`       the transformers integration: cache, attention, codecs, calibration
+- :mod:`rqlib.study`    evaluation, bit allocation, ablations, depth measurements, benchmarks
+- :mod:`rqlib.book`     what the chapters need: provenance, results files, sweeps, loaders
+- :mod:`rqlib.cli`      the command line, ``python -m rqlib COMMAND``
+
+Importing ``rqlib`` itself imports nothing heavy.
 """
 
 __version__ = "0.1.0"

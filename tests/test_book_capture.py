@@ -1,10 +1,10 @@
-"""rqlib.capture: the registered attention function that records q, k, v per layer."""
+"""rqlib.hf.capture: the registered attention function that records q, k, v per layer."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rqlib.capture import CAPTURE_NAME, capture_attention, capturing_attention
+from rqlib.hf.capture import CAPTURE_NAME, capture_attention, capturing_attention
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""rqlib.provenance: what every chapter states about where its numbers came from."""
+"""rqlib.book.provenance: what every chapter states about where its numbers came from."""
 
 import hashlib
 import shutil
@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from rqlib.provenance import git_commit, package_versions, provenance, sha256_of_text
+from rqlib.book.provenance import git_commit, package_versions, provenance, sha256_of_text
 
 
 def test_provenance_fields_and_renderings(rng):

@@ -1,4 +1,4 @@
-"""rqlib.theory: the closed forms chapter 1 checks the library against."""
+"""rqlib.core.theory: the closed forms chapter 1 checks the library against."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from rqlib.quantizers import mean_abs_coordinate
-from rqlib.theory import (
+from rqlib.core.quantizers import mean_abs_coordinate
+from rqlib.core.theory import (
     coordinate_density,
     gaussian_coordinate_density,
     mse_shrinkage,

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from rqlib import clifford
+from rqlib.core import clifford
 
 TOL = 1e-12
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from rqlib.codebooks import distortion_bounds, lloyd_max
+from rqlib.core.codebooks import distortion_bounds, lloyd_max
 
 # D_mse of the Lloyd-Max quantizer of N(0, 1) at 1..4 bits (Max, 1960): the values the
 # TurboQuant paper quotes. At d = 128 the exact coordinate law is a little lighter-tailed than

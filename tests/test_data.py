@@ -1,4 +1,4 @@
-"""rqlib.data: corpora with provenance, the lookup order and its errors."""
+"""rqlib.base.corpora: corpora with provenance, the lookup order and its errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from rqlib import data
+from rqlib.base import corpora as data
 
 
 def test_pydoc_is_always_available():

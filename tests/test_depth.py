@@ -1,4 +1,4 @@
-"""Tests of rqlib.depth: the per-layer measurements against independent oracles, and the
+"""Tests of rqlib.study.depth: the per-layer measurements against independent oracles, and the
 residual-stream run on a tiny random Llama."""
 
 import math
@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rqlib.depth import (
+from rqlib.core.quantizers import make_quantizer
+from rqlib.core.theory import mse_shrinkage
+from rqlib.study.depth import (
     causal_mask,
-    expand_kv_heads,
     hidden_state_errors,
     key_quantizers,
     layer_errors,
@@ -21,8 +22,6 @@ from rqlib.depth import (
     row_kl,
     score_statistics,
 )
-from rqlib.quantizers import make_quantizer
-from rqlib.theory import mse_shrinkage
 
 # float32 sums over ~1e4 products of O(1) numbers: relative rounding ~1e-6; 1e-4 leaves room
 # for the different summation orders of the oracles below.
@@ -62,15 +61,6 @@ def test_causal_mask_is_lower_triangular_with_offset():
     assert torch.equal(causal_mask(2, 5), torch.ones(5, 5).tril().bool()[3:])
     with pytest.raises(ValueError, match="n_queries"):
         causal_mask(6, 5)
-
-
-def test_expand_kv_heads_maps_query_head_to_its_group(rng):
-    _, key, _ = qkv(rng, heads=6, kv=3)
-    expanded = expand_kv_heads(key, 6)
-    for head in range(6):
-        assert torch.equal(expanded[:, head], key[:, head // 2])
-    with pytest.raises(ValueError, match="multiple"):
-        expand_kv_heads(key, 4)
 
 
 def test_row_kl_matches_torch_and_ignores_masked_entries(rng):
@@ -167,7 +157,7 @@ def test_key_quantizers_are_the_cache_quantizers_and_refuse_non_plain_configs(rn
 
 
 def test_measure_layers_gives_one_row_per_layer_and_method(rng):
-    from rqlib.capture import capture_attention
+    from rqlib.hf.capture import capture_attention
 
     model = tiny_llama(rng, layers=2)
     ids = torch.randint(0, 64, (1, 20), generator=rng)

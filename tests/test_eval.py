@@ -1,4 +1,4 @@
-"""rqlib.eval: windows, honest bit accounting and the one-pass evaluation on a tiny model."""
+"""rqlib.study.eval: windows, honest bit accounting and the one-pass evaluation on a tiny model."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rqlib.eval import average_bits, bytes_per_token, evaluate, windows
-from rqlib.evalcli import format_table
-from rqlib.hf.config import CompressionConfig
+from rqlib.cli import format_table
+from rqlib.spec.bits import average_bits, bytes_per_token
+from rqlib.spec.config import CompressionConfig
+from rqlib.study.eval import evaluate, windows
 
 
 def test_non_overlapping_windows_score_every_token_but_the_first_of_each():

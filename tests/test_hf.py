@@ -19,11 +19,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rqlib.hf import CompressionConfig, build_cache, compress
+from rqlib.core.quantizers import make_quantizer
+from rqlib.hf import build_cache, compress
 from rqlib.hf.attention import ACTIVE
 from rqlib.hf.cache import CompressedLayer
 from rqlib.hf.codec import ChannelPart, VectorCodec, key_channel_scale, value_channel_scale
-from rqlib.quantizers import make_quantizer
+from rqlib.spec.config import CompressionConfig
 
 VOCAB = 256
 # fp32 attention summed in a different order than sdpa: differences of a few ulps per score,
@@ -379,7 +380,7 @@ def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
     assert per_token == 104
     fp16 = 2 * 1 * 2 * 64 * 2  # layers x KV heads x (K, V) x d x 2 bytes = 512
     assert per_token < fp16 / 4
-    from rqlib.eval import bytes_per_token
+    from rqlib.spec.bits import bytes_per_token
 
     spec = CompressionConfig.parse("turboquant-mse:k3:v3")
     assert bytes_per_token(spec, model.config) == per_token
@@ -572,8 +573,8 @@ def test_calibration_picks_means_and_outlier_channels_from_the_calibration_corpu
     assert layer.value_codec.parts[0].channels.shape == (2, 3)
     # query energies: mean q^2 per channel over the heads of each KV group, first token of the
     # chunk left out, as recorded by the capture (300 tokens = one chunk)
-    from rqlib.capture import capture_attention
-    from rqlib.data import load_corpus, tokenize_corpus
+    from rqlib.base.corpora import load_corpus, tokenize_corpus
+    from rqlib.hf.capture import capture_attention
 
     ids = tokenize_corpus(load_corpus("pydoc"), ByteTokenizer(), 300)
     with torch.no_grad(), capture_attention(model) as captured:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rqlib.hf.config import CompressionConfig
-from rqlib.presets import PRESETS
+from rqlib.spec.config import CompressionConfig
+from rqlib.spec.presets import PRESETS
 
 
 def test_parse_reads_every_lever():

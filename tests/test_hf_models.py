@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rqlib.data import load_corpus, tokenize_corpus
-from rqlib.eval import average_bits, evaluate
-from rqlib.hf import CompressionConfig, compress
-from rqlib.models import load_model
+from rqlib.base.corpora import load_corpus, tokenize_corpus
+from rqlib.hf import compress
+from rqlib.hf.models import load_model
+from rqlib.spec.bits import average_bits
+from rqlib.spec.config import CompressionConfig
+from rqlib.study.eval import evaluate
 
 pytestmark = pytest.mark.model
 

@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from rqlib import kernels
-from rqlib.kernels import geometry as geo
+from rqlib.core.packing import unpack_bits, unpack_signs
+from rqlib.core.quantizers import make_quantizer
 from rqlib.kernels import launch, reference
-from rqlib.quantizers import make_quantizer
+from rqlib.kernels import limits as geo
 
 pytestmark = pytest.mark.interpreter
 
@@ -327,10 +328,15 @@ def test_quantize_kernel_is_bit_identical_to_torch(case, rng):
     # rounding (~2^-24 ||S_i|| ||r||) of zero may get the other sign; allow a flip only where
     # |S_i r| < 1e-5 ||S_i|| ||r|| (160x that bound) and count them.
     y = qz.rotation.apply(x.float() / x.float().norm(dim=-1, keepdim=True)).double()
-    residual = y - qz.centroid_vectors(expected).double()
+    residual = y
+    if qz.mse_bits:
+        codes = unpack_bits(expected.codes, qz.mse_bits, qz.rotated_dim).long()
+        residual = y - qz.centroids.double()[codes]
     projection = residual @ qz.sketch.double().T
     band = 1e-5 * qz.sketch.double().norm(dim=-1) * residual.norm(dim=-1, keepdim=True)
-    differs = reference.signs_pm1(got) != reference.signs_pm1(expected)
+    differs = unpack_signs(got.qjl_signs, qz.qjl_dim) != unpack_signs(
+        expected.qjl_signs, qz.qjl_dim
+    )
     print(f"sign flips: {int(differs.sum())} of {differs.numel()}")
     assert not bool((differs & (projection.abs() >= band)).any())
     # Residual norms: ||r|| summed in another order differs in the last fp32 bit at most, which
@@ -367,7 +373,7 @@ def test_unsupported_norm_dtype_is_refused(rng):
 def test_unsupported_group_is_refused(q_heads, rng):
     keys = small_keys(rng)
     keys = keys.map(lambda t: t.expand(1, 2, *t.shape[2:]) if q_heads == 3 else t)
-    with pytest.raises(ValueError, match="kv_heads|query heads per KV head"):
+    with pytest.raises(ValueError, match="KV heads|query heads per KV head"):
         kernels.fused_scores(gaussian(rng, 1, q_heads, 1, 64), keys, scale=1.0)
 
 
@@ -412,7 +418,7 @@ def test_cuda_without_triton_is_a_clear_error(monkeypatch):
     for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
         monkeypatch.setitem(sys.modules, name, None)
     for name in [m for m in sys.modules if m.startswith("rqlib.kernels.")]:
-        if name not in ("rqlib.kernels.geometry", "rqlib.kernels.reference"):
+        if name not in ("rqlib.kernels.limits", "rqlib.kernels.reference"):
             monkeypatch.delitem(sys.modules, name)
     with pytest.raises(RuntimeError, match="need triton"):
         kernels.select_backend(torch.device("cuda"))

@@ -7,24 +7,28 @@ code runs and the byte counts add up, never a timing.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 import triton.testing
 
-from rqlib import bench
-from rqlib.quantizers import make_quantizer
+from rqlib.cli import main
+from rqlib.core.quantizers import make_quantizer
+from rqlib.study import bench
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def parse(argv: list[str]):
+    """The arguments the bench command would hand to rqlib.study.bench."""
+    import argparse
+
+    from rqlib.cli import COMMANDS
+
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    COMMANDS["bench"][0](parser)
     return parser.parse_args(argv)
 
 
 def test_cpu_prints_the_byte_model(capsys):
-    assert bench.run(parse(["kernels", "--cpu"])) == 0
+    assert main(["bench", "kernels", "--cpu"]) == 0
     text = capsys.readouterr().out
     assert "Timings need a CUDA GPU" in text
     # fp16 = 2 d bytes; 3-bit prod keys at d = 128: 32 code bytes + 16 sign bytes + 2 norms.

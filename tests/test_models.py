@@ -1,11 +1,11 @@
-"""rqlib.models: names, the conversion cache location and its errors (no conversion here:
+"""rqlib.hf.models: names, the conversion cache location and its errors (no conversion here:
 the real conversions run in tests/test_hf_models.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rqlib import models
+from rqlib.hf import models
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):

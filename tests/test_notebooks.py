@@ -61,7 +61,7 @@ def test_every_chapter_states_its_provenance_and_draws_a_figure(chapter):
     imported = {
         alias.name
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module == "rqlib.provenance"
+        if isinstance(node, ast.ImportFrom) and node.module == "rqlib.book.provenance"
         for alias in node.names
     }
     calls = {

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rqlib.packing import pack_bits, pack_signs, packed_size, unpack_bits, unpack_signs
+from rqlib.core.packing import pack_bits, pack_signs, packed_size, unpack_bits, unpack_signs
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

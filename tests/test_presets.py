@@ -1,4 +1,4 @@
-"""The presets of rqlib.presets and the experiment runner of rqlib.experiments.
+"""The presets of rqlib.spec.presets and the experiment runner of rqlib.study.experiments.
 
 Fast tests check the table (every preset parses, its bits allocated from each shipped
 sensitivity table fit the budget in its name on that model's geometry, the ablation levers
@@ -16,13 +16,15 @@ import torch
 from scipy.stats import binomtest
 from transformers import Gemma3TextConfig, LlamaConfig
 
-from rqlib import allocation
-from rqlib.eval import average_bits
-from rqlib.experiments import LEVERS, ablation_configs, load_ablation
-from rqlib.hf import CompressionConfig, compress
-from rqlib.presets import HANDMADE, PRESETS, TARGETS, budget_of, get_preset
+from rqlib.book.loaders import load_ablation
+from rqlib.hf import compress
+from rqlib.spec.bits import average_bits
+from rqlib.spec.config import CompressionConfig, get_preset
+from rqlib.spec.presets import HANDMADE, PRESETS, TARGETS, budget_of
+from rqlib.study import allocation
+from rqlib.study.experiments import LEVERS, ablation_configs
 
-# The two packaged models' attention geometry (rqlib.models.PACKAGED_MODELS), built without
+# The two packaged models' attention geometry (rqlib.hf.models.PACKAGED_MODELS), built without
 # loading weights: bits depend only on layers and head_dim.
 GEOMETRIES = {
     "smollm2": LlamaConfig(
@@ -129,7 +131,7 @@ def _token_kl(model, ids, config, tokenizer, fp_log_probs) -> torch.Tensor:
 
 @pytest.mark.model
 def test_shipped_table_belongs_to_the_packaged_model():
-    from rqlib.models import load_model
+    from rqlib.hf.models import load_model
 
     model, _ = load_model("smollm2-135m")
     assert shipped_table("smollm2").fingerprint == allocation.model_fingerprint(model)
@@ -139,8 +141,8 @@ def test_shipped_table_belongs_to_the_packaged_model():
 
 @pytest.mark.model
 def test_presets_run_and_rq35_beats_plain_turboquant_token_by_token(rng):
-    from rqlib.data import load_corpus, tokenize_corpus
-    from rqlib.models import load_model
+    from rqlib.base.corpora import load_corpus, tokenize_corpus
+    from rqlib.hf.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     corpus = tokenize_corpus(load_corpus("wikitext-2"), tokenizer, 4096)
@@ -150,7 +152,8 @@ def test_presets_run_and_rq35_beats_plain_turboquant_token_by_token(rng):
         fp_log_probs = torch.log_softmax(model(ids).logits[0].float(), -1)
     kl = {}
     for name in PRESETS:
-        kl[name] = _token_kl(model, ids, get_preset(name), tokenizer, fp_log_probs)
+        config = allocation.resolve(get_preset(name), model, tokenizer)
+        kl[name] = _token_kl(model, ids, config, tokenizer, fp_log_probs)
         assert torch.isfinite(kl[name]).all() and (kl[name] > -1e-4).all()
     # Plain TurboQuant with 3-bit keys and values (3.25 bits: the nearest plain config below
     # rq-3.5's 3.5; the next one up, 4-bit keys, costs 3.75).

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from rqlib.install import no_deps_requirements
+from rqlib.base.install import no_deps_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def test_environment_yml_installs_the_package_from_pyproject():
 def test_makefile_uses_the_same_extras_and_the_no_deps_group():
     makefile = (ROOT / "Makefile").read_text()
     assert "-e '.[book,test]'" in makefile
-    assert "--no-deps $$($(BIN)/python -m rqlib.install no-deps)" in makefile
+    assert "--no-deps $$($(BIN)/python -m rqlib.base.install no-deps)" in makefile
 
 
 def test_torch_is_pinned_exactly():

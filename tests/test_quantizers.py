@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from rqlib.codebooks import lloyd_max
-from rqlib.quantizers import METHODS, CompressedVectors, make_quantizer
+from rqlib.core.codebooks import lloyd_max
+from rqlib.core.estimator import key_terms
+from rqlib.core.quantizers import METHODS, CompressedVectors, make_quantizer
 
 Z = 4.0  # standard errors allowed in statistical assertions
 
@@ -77,7 +78,7 @@ def prod_errors(rng, method, bits, sketch, d=64, quantizers=200, pairs=100, **op
         c = quantizer.quantize(x)
         truth = (q * x).sum(-1)
         errors.append(quantizer.inner_product(q, c) - truth)
-        mse = c.norms.float() * (quantizer.rotate_query(q) * quantizer.centroid_vectors(c)).sum(-1)
+        mse = (quantizer.rotate_query(q) * key_terms(c)[0]).sum(-1)
         mse_errors.append(mse - truth)
         m = quantizer.qjl_dim
         r_norm = c.residual_norms.float()
@@ -274,7 +275,7 @@ def test_bad_inputs(call, error, match):
 
 @pytest.mark.parametrize("mantissa_bits", [3, 6, 9])
 def test_norm_mantissa_rounding_is_nearest_and_representable(mantissa_bits, rng):
-    from rqlib.quantizers import round_fp16_mantissa
+    from rqlib.core.quantizers import round_fp16_mantissa
 
     # positive fp16 values over the whole normal range, plus exact powers of two
     exponents = torch.randint(-14, 15, (5000,), generator=rng).float()

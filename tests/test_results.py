@@ -1,4 +1,4 @@
-"""rqlib.results: one JSON per run written by save_result, gathered back by collect."""
+"""rqlib.book.results: one JSON per run written by save_result, gathered back by collect."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from rqlib.results import PROVENANCE_COLUMNS, _Text, collect, save_result
+from rqlib.book.results import PROVENANCE_COLUMNS, _Text, collect, save_result
 
 PROVENANCE = {
     "model": "m",

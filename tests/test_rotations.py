@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rqlib.rotations import fast_walsh_hadamard, haar_orthogonal, make_rotation
+from rqlib.core.rotations import fast_walsh_hadamard, haar_orthogonal, make_rotation
 
 # float32 rotations of unit-scale vectors: errors are a few ulps times sqrt(d) ~ 1e-6
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""rqlib.sweep: papermill over a grid, with the parameters checked before anything runs."""
+"""rqlib.book.sweep: papermill over a grid, with the parameters checked before anything runs."""
 
 import json
 
@@ -6,8 +6,8 @@ import nbformat
 import pytest
 
 from rqlib.__main__ import main
-from rqlib.results import collect
-from rqlib.sweep import parse_value, plan_sweep, run_id_for
+from rqlib.book.results import collect
+from rqlib.book.sweep import parse_value, plan_sweep, run_id_for
 
 TINY_CHAPTER = [
     ("markdown", "# A tiny chapter", []),
@@ -19,7 +19,7 @@ TINY_CHAPTER = [
     ),
     (
         "code",
-        "from rqlib.results import save_result\n"
+        "from rqlib.book.results import save_result\n"
         "if method == 'broken':\n    raise RuntimeError('this combination fails on purpose')\n"
         "if run_id:\n"
         "    save_result('tiny', run_id, parameters={'bits': bits, 'method': method},\n"

@@ -12,7 +12,7 @@ Each :class:`CompressedLayer` holds, for every token seen so far (prefill and de
 
 Layers listed in ``exact_layers`` store plain keys and values. The exact copies are stored in
 the model's dtype (fp32 in our runs, counted at that size by :meth:`CompressedCache.nbytes`);
-:func:`rqlib.eval.average_bits` counts them at 16 bits, as a deployed fp16 cache would.
+:func:`rqlib.study.eval.average_bits` counts them at 16 bits, as a deployed fp16 cache would.
 
 Every layer keeps every token (sliding-window layers too; their window is applied by the
 mask), so ``get_mask_sizes`` is ``(seen + new, 0)`` for all layers.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from rqlib.core.gqa import fold_queries, unfold_queries
 from rqlib.hf.codec import CompressedParts, VectorCodec
 
 __all__ = ["CompressedCache", "CompressedLayer"]
@@ -38,18 +39,13 @@ def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 
 def _grouped_matmul(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``weights [B, Hq, L, S] @ values [B, KV, S, d]``; query head ``h`` reads KV head ``h//G``."""
-    batch, q_heads, length, n_keys = weights.shape
-    kv_heads = values.shape[1]
-    grouped = weights.reshape(batch, kv_heads, (q_heads // kv_heads) * length, n_keys)
-    return (grouped @ values).reshape(batch, q_heads, length, values.shape[-1])
+    return unfold_queries(fold_queries(weights, values.shape[1]) @ values, weights.shape[1])
 
 
 def _grouped_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Exact ``q [B, Hq, L, d] . keys [B, KV, S, d]`` -> ``[B, Hq, L, S]`` (float32)."""
-    batch, q_heads, length, dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.float().reshape(batch, kv_heads, (q_heads // kv_heads) * length, dim)
-    return (grouped @ keys.float().transpose(-1, -2)).reshape(batch, q_heads, length, -1)
+    grouped = fold_queries(q.float(), keys.shape[1])
+    return unfold_queries(grouped @ keys.float().transpose(-1, -2), q.shape[1])
 
 
 class CompressedLayer(CacheLayerMixin):

@@ -3,7 +3,7 @@
 The model runs (uncompressed) over ``n_tokens`` of the calibration corpus (``pydoc`` by
 default) in chunks of at most 1024 tokens; a plain ``DynamicCache`` collects every layer's keys
 and values after RoPE, exactly what the compressed cache will see, and the queries are recorded
-by :func:`rqlib.capture.capture_attention` (stock sdpa attention). From them:
+by :func:`rqlib.hf.capture.capture_attention` (stock sdpa attention). From them:
 
 - ``key_means[l]``: the mean key of each KV head, ``[KV, d]`` (used for centering);
 - ``key_energy[l]`` / ``value_energy[l]``: the mean square of each channel of each KV head,
@@ -22,6 +22,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+
+from rqlib.base.corpora import load_corpus, tokenize_corpus
+from rqlib.hf.capture import capture_attention
 
 __all__ = ["Calibration", "calibrate", "top_channels"]
 
@@ -51,9 +54,6 @@ def top_channels(energy: torch.Tensor, count: int) -> torch.Tensor:
 def calibrate(model, tokenizer, corpus_name: str, n_tokens: int) -> Calibration:
     """Run ``model`` on ``n_tokens`` of ``corpus_name`` and collect the statistics."""
     from transformers import DynamicCache
-
-    from rqlib.capture import capture_attention
-    from rqlib.data import load_corpus, tokenize_corpus
 
     key = (corpus_name, n_tokens, getattr(tokenizer, "name_or_path", id(tokenizer)))
     memo = _MEMO.setdefault(model, {})

@@ -20,15 +20,38 @@ from dataclasses import dataclass
 
 import torch
 
-from rqlib.hf.scores import estimate_scores
+from rqlib import kernels
+from rqlib.core.gqa import expand_kv_heads, group_size
+from rqlib.kernels import limits, reference
 
 __all__ = [
     "ChannelPart",
+    "estimate_scores",
     "CompressedParts",
     "VectorCodec",
     "key_channel_scale",
     "value_channel_scale",
 ]
+
+
+def estimate_scores(q: torch.Tensor, keys) -> torch.Tensor:
+    """Estimated ``<q_i, k_j>`` (unscaled, no mask) as float32 ``[B, Hq, Lq, S]``.
+
+    ``q`` is ``[B, Hq, Lq, d]``; ``keys`` a ``CompressedVectors`` of shape ``[B, KV, S]``. On
+    CUDA, keys whose geometry the Triton kernels support go through
+    :func:`rqlib.kernels.fused_scores`; everything else (CPU, and channel subsets of widths the
+    kernels do not cover, such as an outlier split's) through its torch reference, the same
+    estimator (:mod:`rqlib.core.estimator`).
+    """
+    group_size(q.shape[1], keys.shape[1])
+    if q.is_cuda:
+        try:
+            limits.check_compressed(keys, "keys", ndim=3)
+        except ValueError:
+            pass
+        else:
+            return kernels.fused_scores(q.contiguous(), keys, scale=1.0, backend="triton")
+    return reference.fused_scores(q, keys, scale=1.0)
 
 
 def _balanced_scale(weight_energy: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
@@ -123,13 +146,12 @@ class CompressedParts:
         return CompressedParts(tuple(part.map(fn) for part in self.parts))
 
 
-def _gather_channels(
-    x: torch.Tensor, channels: torch.Tensor | None, group: int = 1
-) -> torch.Tensor:
-    """``x[b, h, s, channels[h // group]]`` for ``x`` ``[B, H, S, d]``."""
+def _gather_channels(x: torch.Tensor, channels: torch.Tensor | None) -> torch.Tensor:
+    """``x[b, h, s, channels[h // G]]`` for ``x`` ``[B, H, S, d]`` and ``channels`` ``[KV, c]``
+    (``G = H / KV``: query head ``h`` reads the channels of its KV head)."""
     if channels is None:
         return x
-    index = channels.to(x.device).repeat_interleave(group, dim=0)  # [H, c]
+    index = expand_kv_heads(channels.to(x.device), x.shape[1], dim=0)  # [H, c]
     index = index[None, :, None, :].expand(x.shape[0], -1, x.shape[2], -1)
     return torch.gather(x, -1, index)
 
@@ -208,17 +230,19 @@ class VectorCodec:
     def scores(self, q: torch.Tensor, c: CompressedParts) -> torch.Tensor:
         """Estimated ``<q_i, k_j>`` ``[B, Hq, Lq, S]`` (unscaled): sum over parts + ``<q, mu>``."""
         kv_heads = c.parts[0].shape[1]
-        group = q.shape[1] // kv_heads
+        group_size(q.shape[1], kv_heads)
         q = q.float()
         q_scaled = q
         if self.scale is not None:  # <q, k - mu> = <q / a, a * (k - mu)>
-            q_scaled = q / self.scale.to(q.device).repeat_interleave(group, dim=0)[None, :, None]
+            q_scaled = (
+                q / expand_kv_heads(self.scale.to(q.device), q.shape[1], dim=0)[None, :, None]
+            )
         total = None
         for part, compressed in zip(self.parts, c.parts):
-            estimate = estimate_scores(_gather_channels(q_scaled, part.channels, group), compressed)
+            estimate = estimate_scores(_gather_channels(q_scaled, part.channels), compressed)
             total = estimate if total is None else total + estimate
         if self.mean is not None:
-            mean = self.mean.to(q.device).repeat_interleave(group, dim=0)  # [Hq, d]
+            mean = expand_kv_heads(self.mean.to(q.device), q.shape[1], dim=0)  # [Hq, d]
             total = total + torch.einsum("bhld,hd->bhl", q, mean)[..., None]
         return total
 

@@ -12,7 +12,7 @@ there is no slow path); CPU tensors run the pure-torch references of
 :mod:`rqlib.kernels.reference`, or the Triton kernels in the interpreter when
 ``TRITON_INTERPRET=1`` was set before this package was imported. ``backend="triton"`` or
 ``"torch"`` forces one. An input no kernel supports raises ``ValueError`` naming what is
-supported (:mod:`rqlib.kernels.geometry`).
+supported (:mod:`rqlib.kernels.limits`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from rqlib.kernels import geometry as geo
+from rqlib.kernels import limits as geo
 from rqlib.kernels import reference
 
 BACKENDS = ("auto", "triton", "torch")

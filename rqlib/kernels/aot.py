@@ -11,7 +11,7 @@ The kernels must be real ``JITFunction`` objects, so this module refuses to run 
 
     python -m rqlib.kernels.aot            # one JSON line per (kernel, specialization, arch)
 
-Constexpr choices are enumerated from :mod:`rqlib.kernels.geometry`. Triton's JIT also
+Constexpr choices are enumerated from :mod:`rqlib.kernels.limits`. Triton's JIT also
 specializes integer arguments equal to 1 (e.g. q_len = 1 in decode) and pointer/integer
 divisibility by 16 at launch; those variants are the same source with extra hints, and one of
 them (all of group, q_len = 1) is compiled here as a representative.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rqlib.kernels import geometry as geo
+from rqlib.kernels import limits as geo
 
 ARCHS = (80, 90, 100)
 FLOAT_ARGS = {"qjl_scale", "scale"}

@@ -11,12 +11,12 @@ import math
 
 import torch
 
-from rqlib.kernels import geometry as geo
+from rqlib.core.packing import packed_size
+from rqlib.core.quantizers import CompressedVectors
+from rqlib.kernels import limits as geo
 from rqlib.kernels.triton_decode import decode_partition_kernel, decode_reduce_kernel
 from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
-from rqlib.packing import packed_size
-from rqlib.quantizers import CompressedVectors
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
 

@@ -1,40 +1,22 @@
 """Pure-torch references of the Triton kernels, with identical semantics.
 
 They are the CPU backend of the dispatcher (in float32) and the oracle of the tests (in
-float64). They unpack the stored bits with :func:`rqlib.packing.unpack_bits` and use the
-quantizer's rotation, sketch and codebook, so they share no code with the kernels.
+float64). Scores come from :mod:`rqlib.core.estimator`, the estimator every torch path of
+rqlib uses, which unpacks the stored bits with :mod:`rqlib.core.packing`; they share no code
+with the Triton kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rqlib.packing import unpack_bits
+from rqlib.core.estimator import key_terms, pairwise_scores
+from rqlib.core.gqa import expand_kv_heads, fold_queries, unfold_queries
 
 
 def quantize(quantizer, x: torch.Tensor):
     """The reference quantizer is the torch quantizer itself."""
     return quantizer.quantize(x)
-
-
-def decoded_rotated(c, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """norm * c[codes] in the rotated space, [..., D] (zeros when the vectors have no codes)."""
-    qz = c.quantizer
-    if qz.mse_bits == 0:
-        return torch.zeros(*c.shape, qz.rotated_dim, dtype=dtype, device=c.norms.device)
-    codes = unpack_bits(c.codes, qz.mse_bits, qz.rotated_dim).long()
-    return qz.centroids.to(c.norms.device, dtype)[codes] * c.norms.to(dtype)[..., None]
-
-
-def signs_pm1(c, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The QJL sign bits of ``c`` as +1/-1, [..., m]."""
-    bits = unpack_bits(c.qjl_signs, 1, c.quantizer.qjl_dim)
-    return bits.to(dtype) * 2 - 1
-
-
-def _expand_group(t: torch.Tensor, group: int) -> torch.Tensor:
-    """Repeat kv heads (dim 1) so that query head h reads kv head h // group."""
-    return t.repeat_interleave(group, dim=1)
 
 
 def fused_scores(
@@ -43,26 +25,18 @@ def fused_scores(
     """scale * (||k|| <R q, c[codes]> + ||r|| gamma/m <S R q, signs>), [B, QH, Lq, S] in dtype.
 
     ``q`` is [batch, q_heads, q_len, d]; ``keys`` a CompressedVectors of shape
-    [batch, kv_heads, kv_len]. No mask is applied.
+    [batch, kv_heads, kv_len]. No mask is applied. The estimator is
+    :func:`rqlib.core.estimator.pairwise_scores`, with each GQA group folded into the rows.
     """
-    qz = keys.quantizer
-    batch, q_heads, q_len, dim = q.shape
-    kv_heads, kv_len = keys.shape[1], keys.shape[2]
-    # query head h reads kv head h // group: fold each group into the query axis
-    grouped = q.to(dtype).reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, dim)
-    q_rot = grouped @ qz.rotation.matrix.to(q.device, dtype).T  # [B, KV, G*Lq, D]
-    scores = q_rot @ decoded_rotated(keys, dtype).transpose(-1, -2)
-    if qz.has_qjl:
-        q_sketch = q_rot @ qz.sketch.to(q.device, dtype).T
-        weight = keys.residual_norms.to(dtype)[:, :, None, :] * qz.qjl_scale
-        scores = scores + (q_sketch @ signs_pm1(keys, dtype).transpose(-1, -2)) * weight
-    return scores.reshape(batch, q_heads, q_len, kv_len) * scale
+    grouped = fold_queries(q, keys.shape[1])  # [B, KV, G*Lq, d]
+    scores = pairwise_scores(grouped, keys, dtype)
+    return unfold_queries(scores, q.shape[1]) * scale
 
 
 def dequantize_values(values, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MSE-compressed values back in the original space: ||v|| R^T c[codes], [B, KV, S, d]."""
     matrix = values.quantizer.rotation.matrix.to(values.norms.device, dtype)
-    return decoded_rotated(values, dtype) @ matrix
+    return key_terms(values, dtype)[0] @ matrix
 
 
 def decode_attention(
@@ -86,7 +60,6 @@ def decode_attention(
     With ``window`` only keys at positions >= S - window are visible.
     """
     kv_len = keys.shape[2]
-    group = q.shape[1] // keys.shape[1]
     positions = torch.arange(kv_len, device=q.device)
     n_sink = 0 if sink_keys is None else sink_keys.shape[2]
     n_recent = 0 if recent_keys is None else recent_keys.shape[2]
@@ -98,7 +71,7 @@ def decode_attention(
         key_rows[:, :, is_sink] = sink_keys.to(dtype)[:, :, : int(is_sink.sum())]
     if n_recent:
         key_rows[:, :, is_recent] = recent_keys.to(dtype)[:, :, n_recent - int(is_recent.sum()) :]
-    exact_scores = q.to(dtype) @ _expand_group(key_rows, group).transpose(-1, -2) * scale
+    exact_scores = q.to(dtype) @ expand_kv_heads(key_rows, q.shape[1]).transpose(-1, -2) * scale
     scores = fused_scores(q, keys, scale=scale, dtype=dtype)
     exact = is_sink | is_recent
     scores = torch.where(exact, exact_scores, scores)
@@ -114,4 +87,4 @@ def decode_attention(
             v[:, :, is_sink] = sink_values.to(dtype)[:, :, : int(is_sink.sum())]
         if n_recent:
             v[:, :, is_recent] = recent_values.to(dtype)[:, :, n_recent - int(is_recent.sum()) :]
-    return weights @ _expand_group(v, group)
+    return weights @ expand_kv_heads(v, q.shape[1])

@@ -1,6 +1,6 @@
 """Triton building blocks shared by the kernels: read b-bit codes and sign bits from packed rows.
 
-Storage layout (rqlib.packing): an LSB-first bit stream per vector; code j occupies stream bits
+Storage layout (rqlib.core.packing): an LSB-first bit stream per vector; code j occupies stream bits
 j*b .. j*b+b-1, stream bit t is bit t % 8 of byte t // 8. A code of b <= 8 bits therefore lies
 in byte t // 8 and, when (t % 8) + b > 8, also in the next byte: the unpack below reads the
 first byte always and the second only where the code straddles, so widths that divide 8

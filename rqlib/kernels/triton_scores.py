@@ -22,7 +22,7 @@ bytes per key at GQA 4 in decode, a third of what it reads; that is why decoding
 :mod:`rqlib.kernels.triton_decode`, which never writes the scores out.
 
 Work decomposition: one program per (batch, kv head, block of BLOCK_ROWS = 16 query rows,
-block of BLOCK_S = 32 keys) (sizes in :mod:`rqlib.kernels.geometry`).
+block of BLOCK_S = 32 keys) (sizes in :mod:`rqlib.kernels.limits`).
 The rows of a program are the query heads of one GQA group times the query positions (head h
 reads kv head h // group), so a key tile is decoded once for the whole group. Both dot
 products are ``tl.dot`` of the 16 rows against the decoded key tile, CHUNK = 32 coordinates at a

@@ -20,16 +20,15 @@ measured on the spot and cached.
 
 ::
 
-    python -m rqlib.allocation --model smollm2-135m --budget 3.5 3 2.5 \\
+    python -m rqlib.study.allocation --model smollm2-135m --budget 3.5 3 2.5 \\
         --json rqlib/allocations/smollm2-135m.json
 
-Without ``--base`` the table is measured for the presets of :mod:`rqlib.presets` (their
+Without ``--base`` the table is measured for the presets of :mod:`rqlib.spec.presets` (their
 storage format, bits aside), so that ``resolve`` finds it for them.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -41,7 +40,14 @@ from pathlib import Path
 
 import torch
 
-from rqlib.hf.config import CompressionConfig
+from rqlib.base.corpora import load_corpus, tokenize_corpus
+from rqlib.base.paths import cache_dir
+from rqlib.hf.models import load_model
+from rqlib.spec.bits import average_bits, codec_bits
+from rqlib.spec.config import CompressionConfig, get_preset
+from rqlib.spec.geometry import model_geometry
+from rqlib.spec.presets import PRESETS
+from rqlib.study.eval import evaluate
 
 __all__ = [
     "KINDS",
@@ -191,15 +197,12 @@ def measure_sensitivity(
     len(value_bits))`` forward passes with one layer compressed; ``layers`` restricts the
     measurement to some layers (a partial table, for spot checks).
     """
-    from rqlib.data import load_corpus, tokenize_corpus
-    from rqlib.eval import evaluate
-
     base = _base_of(config)
     if base.is_prod:
         raise ValueError("allocation is implemented for the -mse methods")
     if offset is None:
         offset = base.calibration_tokens
-    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    n_layers = model_geometry(model).layers
     corpus = load_corpus(base.calibration_corpus)
     ids = tokenize_corpus(corpus, tokenizer, offset + tokens)[offset:]
     if ids.numel() < tokens:
@@ -256,12 +259,11 @@ def allocate(
     the most common choice) and ``budget`` cleared; ``ValueError`` if even the cheapest choice
     exceeds the budget.
     """
-    from rqlib.eval import _codec_bits, _geometry, average_bits
-
     if config.budget is None:
         raise ValueError("config has no budget (spec token alloc=BITS)")
     base = _uniform(config)  # costs: this config's storage format, norms included
-    n_layers, _, head_dim = _geometry(model_config)
+    geometry = model_geometry(model_config)
+    n_layers, head_dim = geometry.layers, geometry.head_dim
     if n_layers != sensitivity.n_layers:
         raise ValueError(
             f"the sensitivity table is for {sensitivity.n_layers} layers, the model has {n_layers}"
@@ -280,7 +282,7 @@ def allocate(
             raise ValueError(f"the sensitivity table has no entries for the {kind}s of {layer}")
         choices.append(
             [
-                (round(_codec_bits(base, method, bits, head_dim, outliers) * head_dim), kl, bits)
+                (round(codec_bits(base, method, bits, head_dim, outliers) * head_dim), kl, bits)
                 for bits, kl in sorted(options.items())
             ]
         )
@@ -356,8 +358,6 @@ def _knapsack(choices: list[list[tuple[int, float, int]]], capacity: int) -> lis
 
 def _cached_path(fingerprint: str, base: CompressionConfig) -> Path:
     """Where a measured table for this model and base lives in the user cache."""
-    from rqlib.codebooks import cache_dir
-
     spec_hash = hashlib.sha256(base.spec().encode()).hexdigest()[:12]
     return cache_dir() / "allocations" / f"sensitivity-{fingerprint}-{spec_hash}.json"
 
@@ -395,10 +395,10 @@ def resolve(
     sensitivity = find_sensitivity(model, config)
     if sensitivity is None:
         base = _base_of(config)
-        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        n_layers = model_geometry(model).layers
         passes = n_layers * (len(KEY_BITS) + len(VALUE_BITS))
         print(
-            f"rqlib.allocation: no sensitivity table for this model and {base.spec()};"
+            f"rqlib.study.allocation: no sensitivity table for this model and {base.spec()};"
             f" measuring it on {config.calibration_corpus} ({passes} forward passes, cached)",
             file=sys.stderr,
         )
@@ -410,57 +410,29 @@ def resolve(
     return resolved.replace(name=config.name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Measure a sensitivity table and write it as JSON (see the module docstring)."""
-    from rqlib.models import load_model
+def presets_base() -> CompressionConfig:
+    """The storage format the presets' sensitivity tables are measured for (bits aside)."""
+    return _uniform(get_preset(next(iter(PRESETS))))
 
-    parser = argparse.ArgumentParser(
-        prog="python -m rqlib.allocation",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument(
-        "--base",
-        default=None,
-        help="the config whose storage format the table is for (default: the presets')",
-    )
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--json", required=True, type=Path)
-    parser.add_argument(
-        "--budget",
-        type=float,
-        nargs="*",
-        default=[],
-        help="also print the allocation for these budgets",
-    )
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+
+def measure_table(
+    model_name: str,
+    base: CompressionConfig | None = None,
+    *,
+    tokens: int = 1024,
+    command: str | None = None,
+    progress: bool = True,
+) -> tuple[Sensitivity, dict]:
+    """Measure ``model_name``'s sensitivity table for ``base`` (default: the presets' format).
+
+    Returns the table and its JSON payload (the table, the model, the command and the time).
+    """
     started = time.time()
-    model, tokenizer = load_model(args.model)
-    if args.base is None:
-        from rqlib.presets import PRESETS, get_preset
-
-        base = _uniform(get_preset(next(iter(PRESETS))))
-    else:
-        base = CompressionConfig.parse(args.base)
-    sensitivity = measure_sensitivity(
-        model, tokenizer, base, tokens=args.tokens, progress=not args.no_progress
-    )
+    model, tokenizer = load_model(model_name)
+    base = presets_base() if base is None else base
+    sensitivity = measure_sensitivity(model, tokenizer, base, tokens=tokens, progress=progress)
     payload = sensitivity.to_dict()
-    payload["model"] = args.model
-    payload["command"] = "python -m rqlib.allocation " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    payload["model"] = model_name
+    payload["command"] = command
     payload["seconds"] = round(time.time() - started, 1)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(payload, indent=1) + "\n")
-    for budget in args.budget:
-        resolved = allocate(sensitivity, base.replace(value_bits=3, budget=budget), model.config)
-        print(f"alloc={budget:g}: {resolved.spec()}")
-    print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return sensitivity, payload

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from rqlib.base.paths import env_path, repo_root
 
 #: Environment variable that moves the results folder (default: ``<repo>/results``).
 RESULTS_DIR_ENV = "RQLIB_RESULTS_DIR"
@@ -30,21 +31,9 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 _SCALAR = (str, int, float, bool, type(None))
 
 
-def repo_root() -> Path:
-    """The checkout this (editable) rqlib lives in: the folder holding ``pyproject.toml``."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "pyproject.toml").is_file():
-        raise FileNotFoundError(
-            f"rqlib is not running from a checkout ({root} has no pyproject.toml); "
-            f"set {RESULTS_DIR_ENV} to say where results live"
-        )
-    return root
-
-
 def results_dir() -> Path:
     """The results folder: ``$RQLIB_RESULTS_DIR`` when set, else ``<repo>/results``."""
-    override = os.environ.get(RESULTS_DIR_ENV)
-    return Path(override) if override else repo_root() / "results"
+    return env_path(RESULTS_DIR_ENV) or repo_root() / "results"
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -91,7 +80,7 @@ def save_result(
         run_id: the run's name (the sweep derives it from the combination of parameters).
         parameters: the notebook's parameters for this run.
         metrics: scalar results (numbers or strings), the columns :func:`collect` returns.
-        provenance: a :class:`rqlib.provenance.Provenance` (or its ``to_dict()``).
+        provenance: a :class:`rqlib.book.provenance.Provenance` (or its ``to_dict()``).
         tables: optional larger tables, written as ``<run_id>.<name>.parquet`` beside the JSON.
         directory: the results folder (default :func:`results_dir`).
     """
@@ -105,7 +94,7 @@ def save_result(
             raise TypeError(f"metrics[{name!r}] must be a scalar, got {type(value).__name__}")
     prov = provenance.to_dict() if hasattr(provenance, "to_dict") else provenance
     if not isinstance(prov, Mapping) or "commit" not in prov:
-        raise TypeError("provenance must be a rqlib.provenance.Provenance or its to_dict()")
+        raise TypeError("provenance must be a rqlib.book.provenance.Provenance or its to_dict()")
 
     folder = (Path(directory) if directory is not None else results_dir()) / chapter
     folder.mkdir(parents=True, exist_ok=True)

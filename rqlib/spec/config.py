@@ -6,7 +6,7 @@ A config is a frozen dataclass; ``to_dict``/``from_dict`` round-trip it through 
     METHOD[:TOKEN]...        e.g.  turboquant-mse:k3:v4:sink1:win32:ctr
 
 METHOD is ``turboquant-mse``, ``turboquant-prod``, ``rotorquant-mse``, ``rotorquant-prod``, or
-``preset:NAME`` (a named config from :mod:`rqlib.presets`, optionally followed by tokens that
+``preset:NAME`` (a named config from :mod:`rqlib.spec.presets`, optionally followed by tokens that
 override it). TOKENs (``name=value`` or the short form):
 
 =====================  ===================================================================
@@ -35,7 +35,7 @@ override it). TOKENs (``name=value`` or the short form):
 ``calib=pydoc``        calibration corpus; ``ctok=2048`` its number of tokens
 ``alloc=3.5``          per-layer key and value bits chosen for this model so that the average
                        bits are at most 3.5, where its measured sensitivity says they matter
-                       (:mod:`rqlib.allocation`; resolved against a model before use)
+                       (:mod:`rqlib.study.allocation`; resolved against a model before use)
 =====================  ===================================================================
 
 Values always use the MSE quantizer of the method's family (``turboquant-mse`` or
@@ -49,12 +49,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["METHODS", "ROTATIONS", "QJL_SKETCHES", "CompressionConfig"]
+from rqlib.core.codebooks import LAWS as CODEBOOK_LAWS
+from rqlib.core.quantizers import METHODS as QUANTIZER_METHODS
+from rqlib.core.quantizers import SKETCHES as QJL_SKETCHES
+from rqlib.core.rotations import KINDS as ROTATIONS
+from rqlib.spec.presets import PRESETS
 
-METHODS = ("turboquant-mse", "turboquant-prod", "rotorquant-mse", "rotorquant-prod")
-ROTATIONS = ("dense", "hadamard", "rotor", "none")
-QJL_SKETCHES = ("gaussian", "orthogonal")
-CODEBOOK_LAWS = ("beta", "gaussian")
+__all__ = ["METHODS", "ROTATIONS", "QJL_SKETCHES", "CompressionConfig", "get_preset"]
+
+METHODS = tuple(QUANTIZER_METHODS)
 MIN_BITS, MAX_BITS = 1, 8
 
 
@@ -275,9 +278,7 @@ class CompressionConfig:
 
     @classmethod
     def preset(cls, name: str) -> CompressionConfig:
-        """The named config of :mod:`rqlib.presets` (``ValueError`` for an unknown name)."""
-        from rqlib.presets import get_preset
-
+        """The named config of :mod:`rqlib.spec.presets` (``ValueError`` for an unknown name)."""
         return get_preset(name)
 
     # ---- the compact spec ------------------------------------------------------------------------
@@ -473,3 +474,15 @@ def _apply_token(
         f"unknown token {token!r} in spec {spec!r}; "
         "see `python -m rqlib eval --help` for the syntax"
     )
+
+
+def get_preset(name: str) -> CompressionConfig:
+    """The config of preset ``name`` (:data:`rqlib.spec.presets.PRESETS`); ``ValueError``
+    listing the known names otherwise."""
+    if name not in PRESETS:
+        known = ", ".join(sorted(PRESETS)) or "none defined yet"
+        raise ValueError(f"unknown preset {name!r}; known presets: {known}")
+    spec = PRESETS[name]
+    if spec.startswith("preset:"):
+        raise ValueError(f"preset {name!r} must be a method spec, not another preset")
+    return CompressionConfig.parse(spec).replace(name=f"preset:{name}")

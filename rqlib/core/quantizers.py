@@ -4,9 +4,9 @@ A vector x ∈ R^d is stored as its norm and the codes of its rotated direction:
 
     y = R x / ‖x‖,   idx_i = #{boundaries < y_i},   ĉ = centroids[idx],   x̂_mse = ‖x‖ Rᵀ ĉ
 
-with the Lloyd-Max codebook of :mod:`rqlib.codebooks` and a rotation of :mod:`rqlib.rotations`
-(dense for TurboQuant, Cl(3,0) rotor blocks for RotorQuant). ⟨q, x̂_mse⟩ is a *biased*
-estimate of ⟨q, x⟩: it shrinks it by 1 − D_mse on average.
+with the Lloyd-Max codebook of :mod:`rqlib.core.codebooks` and a rotation of
+:mod:`rqlib.core.rotations` (dense for TurboQuant, Cl(3,0) rotor blocks for RotorQuant).
+⟨q, x̂_mse⟩ is a *biased* estimate of ⟨q, x⟩: it shrinks it by 1 − D_mse on average.
 
 The ``-prod`` variants add TurboQuant's 1-bit QJL correction of the residual r = y − ĉ
 (taken in the rotated space, where ⟨Rq, r⟩ = ⟨q, x − x̂_mse⟩/‖x‖): m sign bits sign(S r) of
@@ -36,9 +36,10 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from rqlib.codebooks import Codebook, lloyd_max
-from rqlib.packing import pack_bits, pack_signs, packed_size, unpack_bits, unpack_signs
-from rqlib.rotations import Rotation, haar_orthogonal, make_rotation
+from rqlib.core.codebooks import Codebook, lloyd_max
+from rqlib.core.estimator import key_terms, paired_scores
+from rqlib.core.packing import pack_bits, pack_signs, packed_size
+from rqlib.core.rotations import Rotation, haar_orthogonal, make_rotation
 
 METHODS = {
     # method: (default rotation, has QJL)
@@ -270,26 +271,13 @@ class Quantizer:
         if c.quantizer is not self:
             raise ValueError(f"these vectors were compressed by {c.quantizer!r}, not {self!r}")
 
-    def centroid_vectors(self, c: CompressedVectors) -> torch.Tensor:
-        """ĉ: the unit-scale codebook vectors ``[..., D]`` in the rotated space (float32)."""
-        self._check_compressed(c)
-        if not self.mse_bits:
-            return torch.zeros(*c.shape, self.rotated_dim, device=c.norms.device)
-        indices = unpack_bits(c.codes, self.mse_bits, self.rotated_dim)
-        return self.centroids.to(c.codes.device)[indices.long()]
-
-    def qjl_vectors(self, c: CompressedVectors) -> torch.Tensor:
-        """γ/m · Sᵀ sign(S r): the unbiased 1-bit reconstruction of a unit-scale residual."""
-        self._check_compressed(c)
-        signs = unpack_signs(c.qjl_signs, self.qjl_dim)
-        return self.qjl_scale * signs @ self.sketch.to(signs.device)
-
     def dequantize(self, c: CompressedVectors) -> torch.Tensor:
-        """The reconstruction x̂ ``[..., d]`` (float32); for prod it includes the QJL term, so
-        that ⟨q, dequantize(c)⟩ equals :meth:`inner_product`."""
-        rotated = c.norms.float().unsqueeze(-1) * self.centroid_vectors(c)
-        if self.has_qjl:
-            rotated = rotated + c.residual_norms.float().unsqueeze(-1) * self.qjl_vectors(c)
+        """The reconstruction x̂ ``[..., d]`` (float32); for prod it includes the QJL term
+        γ/m·Sᵀ sign(S r), so that ⟨q, dequantize(c)⟩ equals :meth:`inner_product`."""
+        self._check_compressed(c)
+        rotated, qjl = key_terms(c)
+        if qjl is not None:
+            rotated = rotated + qjl @ self.sketch.to(qjl.device)
         return self.rotation.inverse(rotated)
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -304,18 +292,13 @@ class Quantizer:
         return rotated @ self.sketch.to(rotated.device).T
 
     def inner_product(self, q: torch.Tensor, c: CompressedVectors) -> torch.Tensor:
-        """The estimate of ⟨q, x⟩ from the compressed x (float32).
+        """The estimate of ⟨q, x⟩ from the compressed x (float32), :mod:`rqlib.core.estimator`.
 
         ``q [..., d]``'s leading dimensions broadcast against ``c.shape``: e.g. q of shape
         ``[B, H, L, 1, d]`` against keys of shape ``[B, H, 1, S]`` gives ``[B, H, L, S]``.
         """
-        mse = (self.rotate_query(q) * self.centroid_vectors(c)).sum(dim=-1)
-        estimate = c.norms.float() * mse
-        if self.has_qjl:
-            signs = unpack_signs(c.qjl_signs, self.qjl_dim)
-            qjl = (self.sketch_query(q) * signs).sum(dim=-1)
-            estimate = estimate + c.residual_norms.float() * self.qjl_scale * qjl
-        return estimate
+        self._check_compressed(c)
+        return paired_scores(self._as_float32(q, "q"), c)
 
 
 FP16_EXPONENT_BITS, FP16_MANTISSA_BITS = 5, 10

@@ -13,13 +13,8 @@ window is scored), or with ``stride`` the Hugging Face sliding-window protocol (
 ``window`` tokens starting every ``stride`` tokens; only the tokens not scored by the previous
 window are scored). No BOS is added.
 
-:func:`average_bits` is the storage a config costs per key and per value coordinate, counted
-honestly: codes, norms, QJL signs and residual norms (``Quantizer.bits_per_vector``), exact
-sink and recent tokens at 16 bits (the recent band at its codec's bits with ``wb=``) amortized
-over ``context`` tokens, exact layers at 16 bits, and per-layer calibrated constants (key
-means at 16 bits, outlier channel indices at 8 bits) amortized the same way. Every layer
-stores every token (sliding-window layers too), which is what the cache of :mod:`rqlib.hf`
-does.
+Every result carries its bits (:func:`rqlib.spec.bits.average_bits`). Configs with a bit
+budget (``alloc=``) are resolved by the caller first (:func:`rqlib.study.allocation.resolve`).
 """
 
 from __future__ import annotations
@@ -29,19 +24,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from rqlib.hf.config import CompressionConfig
+from rqlib.hf import compress
+from rqlib.spec.bits import average_bits, bytes_per_token
+from rqlib.spec.config import CompressionConfig
 
-__all__ = [
-    "FP_LABEL",
-    "MethodResult",
-    "average_bits",
-    "bytes_per_token",
-    "evaluate",
-    "windows",
-]
+__all__ = ["FP_LABEL", "MethodResult", "evaluate", "windows"]
 
 FP_LABEL = "fp"
-EXACT_BITS = 16  # a deployed cache keeps exact tokens in fp16/bf16
 
 
 # ---- windows ---------------------------------------------------------------------------------
@@ -74,123 +63,6 @@ def windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple
         if end == n_tokens:
             break
     return out
-
-
-# ---- bits ------------------------------------------------------------------------------------
-def _geometry(model_config) -> tuple[int, int, int]:
-    text = (
-        model_config.get_text_config(decoder=True)
-        if hasattr(model_config, "get_text_config")
-        else model_config
-    )
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return text.num_hidden_layers, kv_heads, head_dim
-
-
-def _codec_bits(
-    config: CompressionConfig, method: str, bits: int, head_dim: int, outliers: int
-) -> float:
-    """Bits per coordinate of one vector under ``method`` (with an outlier split if any)."""
-    from rqlib.quantizers import make_quantizer
-
-    is_prod = method.endswith("-prod")
-
-    def per_vector(dim: int, part_bits: int) -> int:
-        return make_quantizer(
-            method,
-            dim,
-            part_bits,
-            rotation=config.rotation,
-            qjl_sketch=config.qjl_sketch if is_prod else None,
-            qjl_dim=config.qjl_dim if is_prod else None,
-            codebook_law=config.codebook_law,
-            norm_mantissa_bits=config.norm_mantissa,
-        ).bits_per_vector
-
-    if outliers:
-        total = per_vector(outliers, bits + config.outlier_extra_bits) + per_vector(
-            head_dim - outliers, bits
-        )
-    else:
-        total = per_vector(head_dim, bits)
-    return total / head_dim
-
-
-def average_bits(config: CompressionConfig | None, model_config, context: int = 4096) -> dict:
-    """Average stored bits per key coordinate, per value coordinate and their mean.
-
-    ``config`` ``None`` means the uncompressed cache (16 bits). ``model_config`` is the model's
-    transformers config. Returns ``{"key": .., "value": .., "mean": .., "context": context}``.
-    """
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"context must be an int >= 1, got {context!r}")
-    n_layers, _, head_dim = _geometry(model_config)
-    if config is None:
-        return {
-            "key": float(EXACT_BITS),
-            "value": float(EXACT_BITS),
-            "mean": float(EXACT_BITS),
-            "context": context,
-        }
-    if config.budget is not None:
-        raise ValueError(
-            f"{config.label}: a config with a bit budget (alloc=) must be resolved against its "
-            "model first (rqlib.allocation.resolve)"
-        )
-    exact = config.exact_layer_set(n_layers)
-    sink = min(config.n_sink, context) / context
-    recent = min(config.recent_window, context) / context
-    band = (  # bits per coordinate of a recent-band token: exact, or codes and norm (wb=)
-        float(EXACT_BITS)
-        if config.band_bits is None
-        else _codec_bits(config, config.value_method, config.band_bits, head_dim, 0)
-    )
-    key_total = value_total = 0.0
-    for layer in range(n_layers):
-        if layer in exact:
-            key_total += EXACT_BITS
-            value_total += EXACT_BITS
-            continue
-        key = _codec_bits(
-            config, config.method, config.key_bits_of(layer), head_dim, config.key_outliers
-        )
-        key += EXACT_BITS * sink + band * recent
-        if config.center_keys:
-            key += EXACT_BITS / context  # one calibrated mean vector per head
-        if config.scale_keys:
-            key += EXACT_BITS / context  # one calibrated channel-scale vector per head
-        if config.key_outliers:
-            key += 8 * config.key_outliers / (head_dim * context)  # channel indices per head
-        value_bits = config.value_bits_of(layer)
-        if value_bits is None:
-            value = float(EXACT_BITS)
-        else:
-            value = _codec_bits(
-                config, config.value_method, value_bits, head_dim, config.value_outliers
-            )
-            value += EXACT_BITS * sink + band * recent
-            if config.value_outliers:
-                value += 8 * config.value_outliers / (head_dim * context)
-            if config.scale_values:
-                value += EXACT_BITS / context  # one channel-scale vector per head
-        key_total += key
-        value_total += value
-    key_bits, value_bits = key_total / n_layers, value_total / n_layers
-    return {
-        "key": key_bits,
-        "value": value_bits,
-        "mean": (key_bits + value_bits) / 2,
-        "context": context,
-    }
-
-
-def bytes_per_token(config: CompressionConfig | None, model_config, context: int = 4096) -> float:
-    """Cache bytes per token (all layers, K and V) implied by :func:`average_bits`."""
-    n_layers, kv_heads, head_dim = _geometry(model_config)
-    bits = average_bits(config, model_config, context)
-    return (bits["key"] + bits["value"]) * n_layers * kv_heads * head_dim / 8
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -255,8 +127,6 @@ def evaluate(
     """
     from tqdm.auto import tqdm
 
-    from rqlib.hf import compress
-
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise ValueError("token_ids must be a 1-d tensor of token ids")
     for config in methods:
@@ -264,10 +134,11 @@ def evaluate(
             raise TypeError(
                 f"methods must be CompressionConfig objects, got {type(config).__name__}"
             )
-    from rqlib.allocation import resolve
-
-    # budgets (alloc=) become per-layer bits for this model before anything is counted
-    methods = [resolve(config, model, tokenizer, context=context) for config in methods]
+        if config.budget is not None:
+            raise ValueError(
+                f"{config.label}: resolve its bit budget (alloc=) against the model first: "
+                "rqlib.study.allocation.resolve(config, model, tokenizer)"
+            )
     model_config = model.config
     results = [
         MethodResult(

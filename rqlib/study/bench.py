@@ -13,12 +13,13 @@ a GPU.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 
-from rqlib.quantizers import make_quantizer
+from rqlib import kernels
+from rqlib.core.quantizers import make_quantizer
+from rqlib.kernels import limits as geo
 
 # Peak HBM bandwidth in GB/s, matched against torch.cuda.get_device_name (first match wins).
 HBM_GBPS = (
@@ -34,42 +35,6 @@ HBM_GBPS = (
     ("RTX 4090", 1008.0),
 )
 DEFAULT_KV_LENS = (1024, 4096, 16384, 32768, 65536, 131072)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Command-line options of ``python -m rqlib bench``."""
-    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
-    parser.add_argument(
-        "--kv-lens",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        default=DEFAULT_KV_LENS,
-        help="comma-separated context lengths (default 1k..128k)",
-    )
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--key-method", default="turboquant-prod")
-    parser.add_argument("--key-bits", type=int, default=3)
-    parser.add_argument("--value-method", default="turboquant-mse")
-    parser.add_argument("--value-bits", type=int, default=4)
-    parser.add_argument("--hbm-gbps", type=float, default=None, help="override the peak HBM GB/s")
-    parser.add_argument("--cpu", action="store_true", help="print the byte model even on a GPU")
-    parser.add_argument(
-        "--sweep-tiles",
-        action="store_true",
-        help="also time decode_attention (packed K and V) for other tile sizes / warp counts "
-        "at the largest kv_len (tuning aid; the defaults live in rqlib.kernels.geometry)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Benchmark on CUDA, or print the byte-count model without one."""
-    if args.cpu or not torch.cuda.is_available():
-        print_byte_model(args)
-        print("\nTimings need a CUDA GPU: rerun `python -m rqlib bench kernels` on one.")
-        return 0
-    return run_gpu(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,8 +110,6 @@ def hbm_peak_gbps(args) -> float | None:
 
 def check_on_gpu(args, device, length: int = 1000) -> None:
     """Triton vs torch reference on small irregular shapes; raises if they disagree."""
-    from rqlib import kernels
-
     generator = torch.Generator(device=device).manual_seed(0)
     d, group = args.head_dim, args.group
     key_qz = make_quantizer(args.key_method, d, args.key_bits)
@@ -238,8 +201,6 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     """(name, milliseconds, bytes read, SDPA milliseconds) of each kernel at one kv_len."""
     import triton.testing
 
-    from rqlib import kernels
-
     batch, kv_heads, d = args.batch, args.kv_heads, args.head_dim
     q_heads = kv_heads * args.group
     k = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
@@ -292,9 +253,6 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     Returns (BLOCK_S, CHUNK, warps, milliseconds, relative error vs torch) per candidate.
     """
     import triton.testing
-
-    from rqlib import kernels
-    from rqlib.kernels import geometry as geo
 
     batch, kv_heads, d = args.batch, args.kv_heads, args.head_dim
     q_heads = kv_heads * args.group

@@ -23,13 +23,13 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from scipy import optimize, special, stats
+
+from rqlib.base.files import atomic_write_text
+from rqlib.base.paths import cache_dir
 
 LAWS = ("beta", "gaussian")
 LLOYD_WARMUP = 300
@@ -138,11 +138,6 @@ def _solve(d: int, bits: int, law: str) -> Codebook:
     return Codebook(d, bits, law, centroids, boundaries, d * per_coordinate)
 
 
-def cache_dir() -> Path:
-    """Where rqlib keeps derived artefacts: ``$RQLIB_CACHE`` or ``~/.cache/rqlib``."""
-    return Path(os.environ.get("RQLIB_CACHE", Path.home() / ".cache" / "rqlib"))
-
-
 def _load_or_solve(d: int, bits: int, law: str) -> Codebook:
     path = cache_dir() / "codebooks" / f"lloyd-max-{law}-d{d}-b{bits}.json"
     try:
@@ -162,11 +157,8 @@ def _load_or_solve(d: int, bits: int, law: str) -> Codebook:
         "centroids": codebook.centroids.tolist(),
         "distortion": codebook.distortion,
     }
-    try:  # write atomically so that concurrent processes never read half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
-            json.dump(record, tmp)
-        os.replace(tmp.name, path)
+    try:  # atomic: concurrent processes never read half a file
+        atomic_write_text(path, json.dumps(record))
     except OSError:
         pass  # a read-only cache only costs recomputation
     return codebook

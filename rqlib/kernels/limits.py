@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from rqlib.core import gqa
+
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_MSE_BITS = 8  # codes of up to 8 bits straddle at most two bytes: the unpack reads two
 MAX_QJL_DIM = 1024
@@ -102,9 +104,7 @@ def check_query(q: torch.Tensor, name: str = "q") -> None:
 
 def group_size(q_heads: int, kv_heads: int) -> int:
     """Query heads per KV head; raise unless it is a whole number in 1..MAX_GROUP."""
-    if kv_heads < 1 or q_heads % kv_heads:
-        raise ValueError(f"q_heads {q_heads} must be a multiple of kv_heads {kv_heads}")
-    group = q_heads // kv_heads
+    group = gqa.group_size(q_heads, kv_heads)
     if group > MAX_GROUP:
         raise ValueError(f"{group} query heads per KV head; supported: 1..{MAX_GROUP}")
     return group

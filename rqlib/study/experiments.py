@@ -1,9 +1,10 @@
-"""Preset and ablation experiments: a preset and its one-lever-changed variants in ONE run.
+"""Preset and ablation experiments: a preset and its one-lever-changed variants in one run.
 
-:func:`run_experiment` evaluates, with :func:`rqlib.eval.evaluate` (so the full-precision model
-is run once per window and every config sees exactly the same tokens and windows):
+:func:`run_experiment` evaluates, with :func:`rqlib.study.eval.evaluate` (so the
+full-precision model is run once per window and every config sees exactly the same tokens and
+windows):
 
-- each preset of :mod:`rqlib.presets`,
+- each preset of :mod:`rqlib.spec.presets`,
 - for each preset, every applicable lever of :data:`LEVERS` applied to it (an ingredient
   removed, swapped for an alternative, or added on top),
 - optional baseline specs (e.g. plain ``turboquant-mse:b3``),
@@ -11,36 +12,41 @@ is run once per window and every config sees exactly the same tokens and windows
 and writes a self-describing JSON file (model and its geometry, corpus with its sha256, tokens,
 window, calibration corpus, command line, and one row per config with its spec, the lever
 changed, its average bits per K / V coordinate and their mean at the given context, PPL,
-ΔPPL %, mean KL and top-1 agreement). :func:`load_ablation` reads such a file into a
-``pandas.DataFrame`` for the book.
+ΔPPL %, mean KL and top-1 agreement). :func:`rqlib.book.loaders.load_ablation` reads such a
+file into a ``pandas.DataFrame`` for the book.
 
-Command line (the files of issue 5)::
+Command line::
 
-    python -m rqlib.experiments --model smollm2-135m --tokens 8192 --presets rq-3.5 rq-3 rq-2.5 \\
-        --levers none --baseline turboquant-mse:b3 --json results/presets-smollm2.json
-    python -m rqlib.experiments --model smollm2-135m --tokens 1024 --presets rq-3.5 rq-3 \\
+    python -m rqlib experiment --model smollm2-135m --tokens 8192 \\
+        --presets rq-3.5 rq-3 rq-2.5 --levers none --json results/presets-smollm2.json
+    python -m rqlib experiment --model smollm2-135m --tokens 1024 --presets rq-3.5 rq-3 \\
         --json results/ablation-smollm2.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rqlib.hf.config import CompressionConfig
+import torch
+
+from rqlib.base.corpora import load_corpus, tokenize_corpus
+from rqlib.base.files import atomic_write_text
+from rqlib.hf.models import load_model
+from rqlib.spec.config import CompressionConfig, get_preset
+from rqlib.spec.geometry import model_geometry
+from rqlib.spec.presets import TARGETS
+from rqlib.study.allocation import resolve
+from rqlib.study.eval import evaluate
 
 __all__ = [
     "LEVERS",
     "Lever",
     "ablation_configs",
-    "load_ablation",
-    "main",
     "run_experiment",
 ]
 
@@ -89,7 +95,8 @@ def _without_allocation(c: CompressionConfig) -> CompressionConfig | None:
     """Uniform bits instead of per-layer ones: the allocation's mean code bits, rounded down.
 
     Applies to configs that list every layer's key and value bits, as
-    :func:`rqlib.allocation.allocate` returns them (a partial list does not say the layer count).
+    :func:`rqlib.study.allocation.allocate` returns them (a partial list does not say the
+    layer count).
     """
     keys = dict(c.layer_key_bits)
     values = dict(c.layer_value_bits)
@@ -216,14 +223,12 @@ def ablation_configs(
     bit budget (``alloc=``), so that every lever changes one thing and keeps the per-layer bits
     (a lever applied to the budget instead would need a new sensitivity table per lever).
     """
-    from rqlib.presets import get_preset
-
     if base is None:
         base = get_preset(preset)
     if base.budget is not None and levers != []:
         raise ValueError(
             f"resolve preset {preset!r} against its model first "
-            "(rqlib.allocation.resolve): levers apply to its per-layer bits"
+            "(rqlib.study.allocation.resolve): levers apply to its per-layer bits"
         )
     names = list(LEVERS) if levers is None else levers
     unknown = [name for name in names if name not in LEVERS]
@@ -259,17 +264,6 @@ def _spec(config_dict: dict) -> str:
     return CompressionConfig.from_dict({**config_dict, "name": None}).spec()
 
 
-def _geometry(model) -> dict:
-    text = model.config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    return {
-        "layers": text.num_hidden_layers,
-        "heads": heads,
-        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-    }
-
-
 def run_experiment(
     model_name: str,
     presets: list[str],
@@ -282,6 +276,7 @@ def run_experiment(
     context: int = 4096,
     json_path: Path | str | None = None,
     progress: bool = True,
+    command: str | None = None,
 ) -> dict:
     """Evaluate presets, their lever ablations and baselines in one :func:`evaluate` call.
 
@@ -289,14 +284,6 @@ def run_experiment(
     preset -> names for different levers per preset (a preset missing from it gets none).
     Returns the JSON-ready payload and writes it to ``json_path`` if given.
     """
-    import torch
-
-    from rqlib.allocation import resolve
-    from rqlib.data import load_corpus, tokenize_corpus
-    from rqlib.eval import evaluate
-    from rqlib.models import load_model
-    from rqlib.presets import TARGETS, get_preset
-
     if not presets and not baselines:
         raise ValueError("give at least one preset or baseline")
     started = time.time()
@@ -358,11 +345,9 @@ def run_experiment(
         rows.append(row)
     payload = {
         "kind": "ablation" if any(row["role"] == "ablation" for row in rows) else "presets",
-        "command": " ".join(["python -m rqlib.experiments", *sys.argv[1:]])
-        if Path(sys.argv[0]).stem in ("experiments", "__main__")
-        else None,
+        "command": command,
         "model": model_name,
-        "geometry": _geometry(model),
+        "geometry": model_geometry(model).to_dict(),
         "corpus": text.provenance(),
         "tokens": int(ids.numel()),
         "window": window,
@@ -379,91 +364,5 @@ def run_experiment(
         "rows": rows,
     }
     if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_text(json_path, json.dumps(payload, indent=2) + "\n")
     return payload
-
-
-def load_ablation(path: Path | str):
-    """The rows of a file written by :func:`run_experiment` as a ``pandas.DataFrame``.
-
-    Run-level fields (model, tokens, window, corpus sha256) are repeated as columns so that
-    frames of several files can be concatenated.
-    """
-    import pandas as pd
-
-    payload = json.loads(Path(path).read_text())
-    if "rows" not in payload:
-        raise ValueError(f"{path} is not a presets/ablation file (no 'rows')")
-    frame = pd.DataFrame(payload["rows"])
-    frame["model"] = payload["model"]
-    frame["tokens"] = payload["tokens"]
-    frame["window"] = payload["window"]
-    frame["corpus_sha256"] = payload["corpus"]["sha256"]
-    return frame
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: see the module docstring."""
-    parser = argparse.ArgumentParser(
-        prog="python -m rqlib.experiments",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--corpus", default="wikitext-2")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--window", type=int, default=1024)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--presets", nargs="*", default=["rq-3.5", "rq-3", "rq-2.5"])
-    parser.add_argument(
-        "--levers",
-        nargs="*",
-        default=None,
-        help="lever names, 'none' for presets only (default: all)",
-    )
-    parser.add_argument(
-        "--preset-levers",
-        action="append",
-        default=[],
-        metavar="PRESET=LEVER,LEVER",
-        help="levers for one preset (repeatable); overrides --levers for the presets it names",
-    )
-    parser.add_argument("--baseline", action="append", default=[], metavar="SPEC")
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    levers = [] if args.levers == ["none"] else args.levers
-    if args.preset_levers:
-        per_preset = {name: (list(LEVERS) if levers is None else levers) for name in args.presets}
-        for item in args.preset_levers:
-            name, _, names = item.partition("=")
-            if name not in args.presets:
-                raise SystemExit(f"--preset-levers names {name!r}, which is not in --presets")
-            per_preset[name] = [lever for lever in names.split(",") if lever]
-        levers = per_preset
-    payload = run_experiment(
-        args.model,
-        args.presets,
-        levers=levers,
-        baselines=args.baseline,
-        corpus=args.corpus,
-        tokens=args.tokens,
-        window=args.window,
-        context=args.context,
-        json_path=args.json,
-        progress=not args.no_progress,
-    )
-    for row in payload["rows"]:
-        print(
-            f"{row['label']:<44} K {row['bits_key']:.3f} V {row['bits_value']:.3f} "
-            f"mean {row['bits_mean']:.3f}  PPL {row['perplexity']:.3f} "
-            f"({row['delta_ppl_pct']:+.2f}%)  KL {row['kl']:.4f}  top1 {row['top1']:.4f}"
-        )
-    print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

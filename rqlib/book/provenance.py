@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rqlib.base.paths import CHECKOUT
+
 #: Packages whose versions every chapter records.
 RECORDED_PACKAGES = ("rqlib", "torch", "triton", "transformers", "numpy", "scipy")
 
@@ -34,7 +36,7 @@ class Provenance:
     created_utc: str = ""
 
     def to_dict(self) -> dict[str, object]:
-        """A JSON-serializable copy (what :func:`rqlib.results.save_result` stores)."""
+        """A JSON-serializable copy (what :func:`rqlib.book.results.save_result` stores)."""
         return asdict(self)
 
     def _rows(self) -> list[tuple[str, str]]:
@@ -102,7 +104,7 @@ def git_commit(repo: Path | None = None) -> str:
     Returns ``"no commit yet"`` in a repository without commits and ``"not a git checkout"``
     when ``repo`` is not inside one (or git is not installed).
     """
-    repo = Path(__file__).resolve().parent.parent if repo is None else Path(repo)
+    repo = CHECKOUT if repo is None else Path(repo)
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -149,7 +151,7 @@ def provenance(
             ``"none (synthetic vectors)"`` for a chapter that uses none.
         corpus: the corpus's name or source path, or ``"none (synthetic vectors)"``.
         tokens: how many tokens (or synthetic vectors) the chapter's numbers are computed on.
-        corpus_sha256: the corpus's sha256 when already known (e.g. from ``rqlib.data``).
+        corpus_sha256: the corpus's sha256 when already known (e.g. from ``rqlib.base.corpora``).
         corpus_text: the corpus text, hashed here when ``corpus_sha256`` is not given.
         device: where the computation ran (see :func:`describe_device`).
 

@@ -11,14 +11,14 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rqlib.base.paths import CHECKOUT, env_path
+
 __all__ = ["CORPORA", "Corpus", "load_corpus", "tokenize_corpus"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_WIKITEXT2 = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+SHARED_WIKITEXT2 = CHECKOUT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 CORPORA = ("wikitext-2", "pydoc")
 
 
@@ -46,9 +46,8 @@ def _from_file(name: str, path: Path) -> Corpus:
 
 
 def _wikitext2() -> Corpus:
-    env = os.environ.get("RQLIB_WIKITEXT2")
-    if env:
-        path = Path(env).expanduser()
+    path = env_path("RQLIB_WIKITEXT2")
+    if path is not None:
         if not path.is_file():
             raise FileNotFoundError(f"$RQLIB_WIKITEXT2 points to {path}, which is not a file")
         return _from_file("wikitext-2", path)

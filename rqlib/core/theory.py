@@ -3,9 +3,9 @@
 These are the formulas of the TurboQuant and QJL papers that are not part of the quantizers
 themselves: the law of one coordinate of a uniformly random unit vector, the MSE estimator's
 shrinkage and the QJL variance bound (the paper's distortion bounds live
-with the codebooks, :func:`rqlib.codebooks.distortion_bounds`; E|u_1| and the QJL constant
-with the quantizers, :func:`rqlib.quantizers.mean_abs_coordinate` and
-:func:`rqlib.quantizers.qjl_gamma`). Each is a one-liner with its
+with the codebooks, :func:`rqlib.core.codebooks.distortion_bounds`; E|u_1| and the QJL constant
+with the quantizers, :func:`rqlib.core.quantizers.mean_abs_coordinate` and
+:func:`rqlib.core.quantizers.qjl_gamma`). Each is a one-liner with its
 derivation in the docstring; chapter 1 checks each against Monte Carlo.
 """
 

@@ -7,7 +7,7 @@ Example::
 runs the chapter for the 6 combinations of ``key_bits`` and ``method``. Each run is a papermill
 execution written to ``book/_generated/<chapter>/<run_id>.ipynb``; the chapter itself saves
 its numbers to ``results/<chapter>/<run_id>.json`` (the sweep sets the ``run_id`` parameter),
-which ``rqlib.results.collect("<chapter>")`` reads back as a DataFrame. ``-f params.yaml`` sets
+which ``rqlib.book.results.collect("<chapter>")`` reads back as a DataFrame. ``-f params.yaml`` sets
 fixed parameters for every run (e.g. a GPU box's model and corpus; ``-p`` wins over the file).
 Parameter names are checked against the chapter's ``parameters`` cell before anything runs;
 values are read as YAML scalars (``3`` is an int, ``0.5`` a float, ``true`` a bool, anything
@@ -16,10 +16,8 @@ else a string).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
-from rqlib.results import repo_root, results_dir
+from rqlib.base.paths import repo_root
 
 #: The parameter every sweepable chapter must have: the name of its results file.
 RUN_ID_PARAMETER = "run_id"
@@ -168,36 +166,8 @@ def run_sweep(
     return failures
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``sweep`` command's arguments."""
-    parser.add_argument(
-        "notebook", type=Path, help="the chapter to run, e.g. notebooks/04_perplexity.ipynb"
-    )
-    parser.add_argument(
-        "-p",
-        "--parameter",
-        nargs="+",
-        action="append",
-        default=[],
-        metavar=("NAME", "VALUE"),
-        help="a parameter and the values to sweep it over (repeat for a grid)",
-    )
-    parser.add_argument(
-        "-f", "--parameters-file", type=Path, help="YAML file of fixed parameters for every run"
-    )
-    parser.add_argument("--jobs", type=int, default=1, help="runs executed in parallel (default 1)")
-    parser.add_argument(
-        "--output-dir",
-        type=Path,
-        help="where executed notebooks go (default <repo>/book/_generated/<chapter>)",
-    )
-    parser.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
-    parser.add_argument(
-        "--dry-run", action="store_true", help="check the parameters and list the runs only"
-    )
-
-
-def _grid_from_arguments(pairs: list[list[str]]) -> dict[str, list[Any]]:
+def grid_from_pairs(pairs: list[list[str]]) -> dict[str, list[Any]]:
+    """The grid of ``-p NAME VALUE...`` pairs: name -> values read as YAML scalars."""
     grid: dict[str, list[Any]] = {}
     for pair in pairs:
         if len(pair) < 2:
@@ -209,7 +179,8 @@ def _grid_from_arguments(pairs: list[list[str]]) -> dict[str, list[Any]]:
     return grid
 
 
-def _fixed_from_file(path: Path | None) -> dict[str, Any]:
+def fixed_from_file(path: Path | None) -> dict[str, Any]:
+    """The fixed parameters of a YAML parameters file (``{}`` without one)."""
     if path is None:
         return {}
     if not path.is_file():
@@ -218,29 +189,3 @@ def _fixed_from_file(path: Path | None) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(f"parameters file {path} must hold a mapping of name: value")
     return loaded
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``python -m rqlib sweep``."""
-    try:
-        grid = _grid_from_arguments(args.parameter)
-        fixed = _fixed_from_file(args.parameters_file)
-        runs = plan_sweep(args.notebook, grid, fixed, args.output_dir)
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    except (ValueError, FileNotFoundError) as error:
-        print(f"sweep: error: {error}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        for planned in runs:
-            print(planned.run_id, planned.parameters)
-        return 0
-    failures = run_sweep(args.notebook, runs, jobs=args.jobs, kernel_name=args.kernel)
-    chapter = Path(args.notebook).stem
-    succeeded = len(runs) - len(failures)
-    print(f"{succeeded}/{len(runs)} runs succeeded; results: {results_dir() / chapter}")
-    for failed, error in failures:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        where = failed.output_notebook
-        print(f"FAILED {failed.run_id}: {first_line} (see {where})", file=sys.stderr)
-    return 1 if failures else 0

@@ -7,7 +7,7 @@ comes from the rest of rqlib:
 - the quantizers are those of the compressed cache itself (:func:`key_quantizers` reads them
   out of :func:`rqlib.hf.build_cache`), so a per-layer number and the all-layers run of
   :func:`residual_stream_errors` use the same rotations, codebooks and sketches;
-- estimated scores come from :func:`rqlib.hf.scores.estimate_scores`, the cache's own
+- estimated scores come from :func:`rqlib.hf.codec.estimate_scores`, the cache's own
   estimator (:func:`rqlib.kernels.fused_scores` on CUDA for the head dims the Triton kernels
   support, the torch estimator elsewhere).
 
@@ -15,7 +15,7 @@ Per layer (:func:`layer_errors`), over every causal query/key pair ``j <= i`` of
 with ``s = scaling * <q, k>`` the exact logit and ``ŝ`` its estimate:
 
 - ``slope``: the least-squares slope of ``ŝ`` on ``s``; 1 means unbiased, the MSE estimator's
-  shrinkage makes it smaller (:func:`rqlib.theory.mse_shrinkage`);
+  shrinkage makes it smaller (:func:`rqlib.core.theory.mse_shrinkage`);
 - ``logit_var``: ``Var(s)``, the spread of the exact logits;
 - ``bias_var`` and ``noise_var``: ``Var(ŝ - s)`` split exactly into the part a rescaling would
   remove, ``(1 - slope)^2 Var(s)``, and what is left, ``Var(ŝ - slope s)`` (the two add up
@@ -33,10 +33,14 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 
+from rqlib.core.gqa import expand_kv_heads
+from rqlib.hf import build_cache, compress
+from rqlib.hf.codec import estimate_scores
+from rqlib.spec.config import CompressionConfig
+
 __all__ = [
     "LayerErrors",
     "causal_mask",
-    "expand_kv_heads",
     "hidden_state_errors",
     "key_quantizers",
     "layer_errors",
@@ -65,16 +69,6 @@ def _check_4d(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.ndim != 4:
         raise ValueError(f"{name} must be [batch, heads, tokens, head_dim], got {tuple(t.shape)}")
-
-
-def expand_kv_heads(t: torch.Tensor, q_heads: int) -> torch.Tensor:
-    """``[B, KV, S, d]`` -> ``[B, q_heads, S, d]``: query head ``h`` reads KV head
-    ``h // (q_heads // KV)`` (grouped-query attention)."""
-    _check_4d("t", t)
-    kv_heads = t.shape[1]
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads={q_heads} is not a multiple of the {kv_heads} KV heads")
-    return t.repeat_interleave(q_heads // kv_heads, dim=1)
 
 
 def causal_mask(n_queries: int, n_keys: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -134,14 +128,12 @@ def layer_errors(
     padding): the layers of SmolLM2 and Qwen2.5, not Gemma 3's sliding ones.
 
     Args:
-        query: ``[B, H, S, d]`` (after RoPE, as :mod:`rqlib.capture` records it).
+        query: ``[B, H, S, d]`` (after RoPE, as :mod:`rqlib.hf.capture` records it).
         key: ``[B, KV, S, d]``; compressed here.
         value: ``[B, KV, S, d]``; kept exact.
-        quantizer: a :class:`rqlib.quantizers.Quantizer` for dimension ``d``.
+        quantizer: a :class:`rqlib.core.quantizers.Quantizer` for dimension ``d``.
         scaling: the layer's logit scale (usually ``d ** -0.5``).
     """
-    from rqlib.hf.scores import estimate_scores
-
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_4d(name, t)
     if key.shape != value.shape or key.shape[-2] != query.shape[-2]:
@@ -177,8 +169,6 @@ def key_quantizers(model: torch.nn.Module, config) -> list:
     keys of every layer with a single quantizer (no exact layers, outlier channels or
     centering), so that the quantizer alone describes what the cache does to a key.
     """
-    from rqlib.hf import CompressionConfig, build_cache
-
     if isinstance(config, str):
         config = CompressionConfig.parse(config)
     if config.needs_calibration or config.exact_layers or config.norm_correction:
@@ -208,7 +198,7 @@ def measure_layers(
 
     Args:
         model: the model the activations were captured from (for its cache geometry).
-        captured: a :class:`rqlib.capture.AttentionCapture` of one forward pass.
+        captured: a :class:`rqlib.hf.capture.AttentionCapture` of one forward pass.
         configs: label -> :class:`rqlib.hf.CompressionConfig` or spec string.
         device: where the scores are computed (the capture lives on the CPU).
         progress: show a progress bar.
@@ -281,8 +271,6 @@ def residual_stream_errors(
     ``top1`` (agreement of the argmax with the exact model).
     """
     from tqdm.auto import tqdm
-
-    from rqlib.hf import compress
 
     if not configs:
         raise ValueError("configs is empty; give at least one label -> config")

@@ -11,19 +11,20 @@ processes never see (or write) half a folder. Any other name is passed to ``from
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["PACKAGED_MODELS", "cache_dir", "converted_model_dir", "load_model", "load_tokenizer"]
+from rqlib.base.files import file_lock
+from rqlib.base.paths import cache_dir
+
+__all__ = ["PACKAGED_MODELS", "converted_model_dir", "load_model", "load_tokenizer"]
 
 
 def _smollm2_gguf(workdir: Path) -> Path:
@@ -75,23 +76,6 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 }
 
 
-def cache_dir() -> Path:
-    """Where converted models live: ``$RQLIB_CACHE``, default ``~/.cache/rqlib``."""
-    return Path(os.environ.get("RQLIB_CACHE", Path.home() / ".cache" / "rqlib")).expanduser()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if missing), held for the block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _convert(model: PackagedModel, target: Path) -> None:
     """Load the GGUF once (dequantized to fp32) and save model + tokenizer as a plain folder."""
     from tqdm.auto import tqdm
@@ -133,7 +117,7 @@ def converted_model_dir(name: str) -> Path:
     target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
-    with _file_lock(cache_dir() / f".{name}.lock"):
+    with file_lock(cache_dir() / f".{name}.lock"):
         if not (target / "config.json").is_file():  # another process may have finished it
             _convert(PACKAGED_MODELS[name], target)
     return target

@@ -5,7 +5,7 @@
 - ``"hadamard"``: x ↦ H·diag(s)·x / √d with random signs s and the Walsh–Hadamard matrix H,
   computed by the fast transform in O(d log d); d must be a power of two.
 - ``"rotor"``: one Haar-random Cl(3,0) rotor per group of three coordinates, applied by the
-  sandwich R v R̃ (:mod:`rqlib.clifford`); d is zero-padded to 3·ceil(d/3), so the output has
+  sandwich R v R̃ (:mod:`rqlib.core.clifford`); d is zero-padded to 3·ceil(d/3), so the output has
   ``out_dim >= d`` coordinates. A block rotation: it mixes coordinates only within a group.
 - ``"none"``: the identity (a baseline).
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rqlib import clifford
+from rqlib.core import clifford
 
 KINDS = ("dense", "hadamard", "rotor", "none")
 

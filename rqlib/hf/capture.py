@@ -88,7 +88,7 @@ def capturing_attention(module: torch.nn.Module, query, key, value, attention_ma
     if not _ACTIVE:
         raise RuntimeError(
             f"attention implementation {CAPTURE_NAME!r} was called outside capture_attention(); "
-            "use `with rqlib.capture.capture_attention(model): ...`"
+            "use `with rqlib.hf.capture.capture_attention(model): ...`"
         )
     layer = getattr(module, "layer_idx", None)
     if layer is None:

@@ -1,0 +1,50 @@
+"""Readers of the committed results files, for the chapters.
+
+Each loader reads one kind of file written by the study layer and returns a
+``pandas.DataFrame`` (or a small dict); chapters call these instead of parsing JSON themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from rqlib.book.results import results_dir
+
+__all__ = ["load_ablation"]
+
+
+def load_ablation(path: Path | str) -> pd.DataFrame:
+    """The rows of a file written by :func:`rqlib.study.experiments.run_experiment`.
+
+    Run-level fields (model, tokens, window, corpus sha256) are repeated as columns so that
+    frames of several files can be concatenated.
+    """
+    payload = json.loads(Path(path).read_text())
+    if "rows" not in payload:
+        raise ValueError(f"{path} is not a presets/ablation file (no 'rows')")
+    frame = pd.DataFrame(payload["rows"])
+    frame["model"] = payload["model"]
+    frame["tokens"] = payload["tokens"]
+    frame["window"] = payload["window"]
+    frame["corpus_sha256"] = payload["corpus"]["sha256"]
+    return frame
+
+
+def preset_evidence(name: str, model: str = "smollm2-135m", directory: Path | None = None) -> dict:
+    """What preset ``name`` measured on ``model``: its row of ``results/presets-<model>.json``
+    (bits, ΔPPL %, KL, top-1, target and verdict) with the run's tokens and window.
+
+    ``FileNotFoundError`` names the missing file; ``KeyError`` when the file has no such preset.
+    """
+    short = model.split("-")[0]
+    path = Path(directory or results_dir()) / f"presets-{short}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no measured presets for {model}: {path} does not exist")
+    payload = json.loads(path.read_text())
+    for row in payload["rows"]:
+        if row.get("role") == "preset" and row.get("preset") == name:
+            return {**row, "tokens": payload["tokens"], "window": payload["window"]}
+    raise KeyError(f"{path} has no row for preset {name!r}")

@@ -1,0 +1,248 @@
+"""Install a compressed cache on a model: :func:`compress` and :func:`build_cache`.
+
+::
+
+    from rqlib.hf import compress
+    from rqlib.spec.config import CompressionConfig
+
+    config = CompressionConfig.parse("turboquant-mse:k3:v4:sink1:win32:ctr")
+    with compress(model, config, tokenizer=tokenizer) as cache:
+        logits = model(input_ids, past_key_values=cache).logits
+        cache.reset()                       # before an unrelated sequence
+        model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+
+Integration is only through public extension points: an attention function and a mask
+function registered with ``AttentionInterface`` / ``AttentionMaskInterface`` under the name
+``"rqlib"`` (:mod:`rqlib.hf.attention`) and a ``transformers.Cache`` subclass
+(:mod:`rqlib.hf.cache`). No model code is copied or patched: :func:`compress` only switches
+the ``_attn_implementation`` of the model's configs to ``"rqlib"`` and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from rqlib.hf import attention
+from rqlib.hf.cache import CompressedCache, CompressedLayer
+from rqlib.hf.calibration import Calibration, calibrate, top_channels
+from rqlib.hf.codec import ChannelPart, VectorCodec, key_channel_scale, value_channel_scale
+from rqlib.spec.codecs import CodecPlan, layer_plan
+from rqlib.spec.config import CompressionConfig
+from rqlib.spec.geometry import model_geometry
+
+__all__ = ["attention_modules", "build_cache", "compress"]
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's self-attention modules in layer order (those with a ``layer_idx``).
+
+    Raises ``TypeError`` when the model does not route attention through
+    ``AttentionInterface`` (``_supports_attention_backend``) or has no such modules.
+    """
+    if not getattr(model, "_supports_attention_backend", False):
+        raise TypeError(
+            f"{type(model).__name__} does not route its attention through transformers' "
+            "AttentionInterface, so a compressed cache cannot be installed on it"
+        )
+    modules = [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "layer_idx", None), int)
+        and hasattr(module, "config")
+        and any(hasattr(module, name) for name in ("k_proj", "qkv_proj", "kv_proj"))
+    ]
+    if not modules:
+        raise TypeError(f"{type(model).__name__} has no attention modules with a layer_idx")
+    modules.sort(key=lambda module: module.layer_idx)
+    indices = [module.layer_idx for module in modules]
+    if indices != list(range(len(modules))):
+        raise TypeError(f"unexpected attention layer indices {indices} (KV sharing?)")
+    return modules
+
+
+def _codec(
+    plan: CodecPlan,
+    head_dim: int,
+    mean: torch.Tensor | None = None,
+    energy: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    norm_correction: bool = False,
+) -> VectorCodec:
+    """The :class:`VectorCodec` of ``plan``; ``energy`` ``[KV, d]`` chooses outlier channels."""
+    quantizers = plan.quantizers()
+    if plan.outliers == 0:
+        parts = [ChannelPart(quantizers[0], None)]
+    else:
+        if scale is not None:  # outliers are chosen among the channels as quantized
+            energy = energy * scale * scale
+        chosen = top_channels(energy, plan.outliers)  # [KV, c]
+        mask = torch.ones(energy.shape, dtype=torch.bool)
+        mask.scatter_(-1, chosen, False)
+        rest = torch.arange(head_dim).expand(energy.shape[0], -1)[mask].reshape(energy.shape[0], -1)
+        parts = [ChannelPart(quantizers[0], chosen), ChannelPart(quantizers[1], rest)]
+    return VectorCodec(parts, head_dim, mean=mean, norm_correction=norm_correction, scale=scale)
+
+
+def _output_projection(module: torch.nn.Module) -> torch.nn.Linear:
+    """The attention output projection (``o_proj``) whose columns weight value errors."""
+    projection = getattr(module, "o_proj", None)
+    if not isinstance(projection, torch.nn.Linear):
+        raise ValueError(
+            f"value scaling (vs) needs the attention's output projection 'o_proj'; "
+            f"{type(module).__name__} has none"
+        )
+    return projection
+
+
+def _check_buildable(config: CompressionConfig, head_dim: int, calibration) -> None:
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
+    for count, name in (
+        (config.key_outliers, "key_outliers"),
+        (config.value_outliers, "value_outliers"),
+    ):
+        if count and not 0 < count < head_dim:
+            raise ValueError(f"{name}={count} must be below head_dim={head_dim}")
+    if config.budget is not None:
+        raise ValueError(
+            f"{config.label}: a config with a bit budget (alloc=) must be resolved against the "
+            "model first: rqlib.study.allocation.resolve(config, model, tokenizer)"
+        )
+    if config.needs_calibration and calibration is None:
+        raise ValueError("this config needs a calibration (centering, scaling or outlier channels)")
+
+
+def _layer(
+    config: CompressionConfig,
+    layer: int,
+    module: torch.nn.Module,
+    head_dim: int,
+    n_layers: int,
+    calibration: Calibration | None,
+) -> CompressedLayer:
+    """One layer of the cache: its codecs from :func:`rqlib.spec.codecs.layer_plan`, with the
+    calibrated means, channel scales and outlier channels filled in."""
+    plan = layer_plan(config, layer, n_layers, head_dim)
+    if plan.exact:
+        return CompressedLayer(layer, None, None)
+    key_mean = calibration.key_means[layer] if config.center_keys else None
+    key_energy = None
+    if config.needs_calibration:
+        key_energy = calibration.key_energy[layer]
+        if not config.center_keys:  # E[k^2] = E[(k - mu)^2] + mu^2
+            key_energy = key_energy + calibration.key_means[layer] ** 2
+    key_scale = None
+    if config.scale_keys:
+        key_scale = key_channel_scale(calibration.query_energy[layer], key_energy)
+    nc = config.norm_correction
+    key_codec = _codec(plan.key, head_dim, key_mean, key_energy, key_scale, nc)
+    value_codec = None
+    if plan.value is not None:
+        value_scale = None
+        if config.scale_values:
+            value_scale = value_channel_scale(
+                _output_projection(module).weight, calibration.value_energy[layer]
+            )
+        value_energy = calibration.value_energy[layer] if config.value_outliers else None
+        value_codec = _codec(plan.value, head_dim, None, value_energy, value_scale, nc)
+    key_band = value_band = None
+    if plan.key_band is not None:
+        key_band = _codec(plan.key_band, head_dim, key_mean, norm_correction=nc)
+    if plan.value_band is not None:
+        value_band = _codec(plan.value_band, head_dim, norm_correction=nc)
+    return CompressedLayer(
+        layer,
+        key_codec,
+        value_codec,
+        config.n_sink,
+        config.recent_window,
+        (key_band, value_band),
+    )
+
+
+def build_cache(
+    model: torch.nn.Module,
+    config: CompressionConfig,
+    calibration: Calibration | None = None,
+) -> CompressedCache:
+    """A fresh :class:`CompressedCache` for ``model`` implementing a resolved ``config``."""
+    modules = attention_modules(model)
+    head_dim = model_geometry(model).head_dim
+    _check_buildable(config, head_dim, calibration)
+    n_layers = len(modules)
+    config.exact_layer_set(n_layers)  # validates exact= and per-layer bits against the model
+    layers = [
+        _layer(config, index, module, head_dim, n_layers, calibration)
+        for index, module in enumerate(modules)
+    ]
+    return CompressedCache(layers, config, id(model))
+
+
+@contextlib.contextmanager
+def compress(
+    model: torch.nn.Module,
+    config: CompressionConfig | str,
+    *,
+    tokenizer=None,
+) -> Iterator[CompressedCache]:
+    """Install a compressed cache on ``model`` for the duration of the block; yield the cache.
+
+    ``config`` is a resolved :class:`CompressionConfig` or a compact spec string without a bit
+    budget: a budget (``alloc=``, every preset) is turned into per-layer bits for this model by
+    :func:`rqlib.study.allocation.resolve` first. Configs with key centering, channel scaling
+    or outlier channels are calibrated first on ``config.calibration_corpus`` (never the
+    evaluation text), with ``tokenizer`` (default: loaded from the model's ``name_or_path``).
+    Pass the yielded cache as ``past_key_values`` to ``forward`` or ``generate``; call
+    ``cache.reset()`` between unrelated sequences. On leaving the block, normally or by an
+    exception, the model's attention implementation is restored exactly.
+    """
+    if isinstance(config, str):
+        config = CompressionConfig.parse(config)
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(
+            f"config must be a CompressionConfig or a spec string, got {type(config).__name__}"
+        )
+    modules = attention_modules(model)
+    _check_buildable(config, model_geometry(model).head_dim, calibration=True)
+    attention.register()
+    calibration = None
+    if config.needs_calibration:
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+            except (OSError, ValueError) as error:
+                raise ValueError(
+                    "this config is calibrated on a corpus; pass compress(..., tokenizer=...) "
+                    f"(loading one from {model.name_or_path!r} failed: {error})"
+                ) from error
+        calibration = calibrate(
+            model, tokenizer, config.calibration_corpus, config.calibration_tokens
+        )
+    cache = build_cache(model, config, calibration)
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        sub = getattr(module, "config", None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            configs[id(sub)] = sub
+    saved = {key: c._attn_implementation_internal for key, c in configs.items()}
+    busy = [module for module in modules if module in attention.ACTIVE]
+    if busy:
+        raise RuntimeError("this model is already inside a rqlib.hf.compress(...) block")
+    try:
+        for module in modules:
+            attention.ACTIVE[module] = (cache, module.layer_idx)
+        for c in configs.values():
+            c._attn_implementation_internal = attention.ATTENTION_NAME
+        cache.set_active(True)
+        yield cache
+    finally:
+        cache.set_active(False)
+        for key, c in configs.items():
+            c._attn_implementation_internal = saved[key]
+        for module in modules:
+            attention.ACTIVE.pop(module, None)
