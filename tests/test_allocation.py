@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from test_hf import ByteTokenizer, random_ids, seed_of, tiny_model
+from test_hf import ByteTokenizer, seed_of, tiny_model
 
 from rqlib.core.quantizers import make_quantizer
 from rqlib.hf import compress
