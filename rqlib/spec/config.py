@@ -634,7 +634,8 @@ class _Tokens:
         if "=" in token:
             name, text = token.split("=", 1)
             if name == "exact":
-                layers = () if text == "none" else tuple(_int(token, x, spec) for x in text.split(","))
+                items = [] if text == "none" else text.split(",")
+                layers = tuple(_int(token, item, spec) for item in items)
                 self.set(token, "exact_layers", layers)
                 return
             if name == "v" and text == "fp":
