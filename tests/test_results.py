@@ -7,7 +7,13 @@ import pandas as pd
 import pytest
 import torch
 
-from rqlib.book.results import PROVENANCE_COLUMNS, _Text, collect, save_result
+from rqlib.book.results import (
+    PROVENANCE_COLUMNS,
+    ResultFileWarning,
+    _Text,
+    collect,
+    save_result,
+)
 
 PROVENANCE = {
     "model": "m",
@@ -112,11 +118,25 @@ def test_collect_without_results_raises(tmp_path):
         collect("nothing", directory=tmp_path)
 
 
-def test_collect_refuses_foreign_json(tmp_path):
+def test_collect_skips_and_names_foreign_and_truncated_files(tmp_path):
     (tmp_path / "ch").mkdir()
-    (tmp_path / "ch" / "x.json").write_text('{"a": 1}')
-    with pytest.raises(ValueError, match="not a rqlib result"):
-        collect("ch", directory=tmp_path)
+    foreign = tmp_path / "ch" / "x.json"
+    foreign.write_text('{"a": 1}')
+    with pytest.warns(ResultFileWarning, match=rf"{foreign}: not a rqlib result"):
+        with pytest.raises(FileNotFoundError, match="no readable results"):
+            collect("ch", directory=tmp_path)
+    good = save_result(
+        "ch", "r", parameters={}, metrics={"v": 1}, provenance=PROVENANCE, directory=tmp_path
+    )
+    truncated = tmp_path / "ch" / "t.json"
+    truncated.write_text(good.read_text()[:40])
+    with pytest.warns(ResultFileWarning) as caught:
+        frame = collect("ch", directory=tmp_path)
+    assert list(frame["run_id"]) == ["r"]
+    assert sorted(str(w.message).split(":")[0] for w in caught) == sorted(
+        [f"skipped {foreign}", f"skipped {truncated}"]
+    )
+    assert [s["path"] for s in frame.attrs["skipped"]] == [str(truncated), str(foreign)]
 
 
 def test_results_dir_follows_the_environment(tmp_path, monkeypatch):
