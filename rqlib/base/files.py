@@ -120,7 +120,8 @@ def check_writable(path: Path | str, *, overwrite: bool = False) -> Path:
 
     Raises ``IsADirectoryError`` (a folder), ``FileExistsError`` (an existing file and not
     ``overwrite``), ``NotADirectoryError`` (a parent is a file) or ``PermissionError`` (the
-    nearest existing folder is not writable); each message names the path. Returns ``path``.
+    folder cannot be made or written in: a file is created and removed there to find out);
+    each message names the path. Returns ``path``; its folder exists afterwards.
     """
     path = Path(path)
     if path.is_dir():
@@ -128,12 +129,19 @@ def check_writable(path: Path | str, *, overwrite: bool = False) -> Path:
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; refusing to overwrite it (use --force)")
     parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise NotADirectoryError(f"cannot write {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot write {path}: {parent} is not writable")
+    existing = parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(f"cannot write {path}: {existing} is a file, not a folder")
+    try:  # the only sure test (root passes os.access everywhere): make the folder, write in it
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"cannot write {path}: {error.strerror or error} in {error.filename or parent}"
+        ) from None
     return path
 
 

@@ -34,7 +34,7 @@ from rqlib.spec.codecs import CodecPlan, layer_plan
 from rqlib.spec.config import CompressionConfig
 from rqlib.spec.geometry import model_geometry
 
-__all__ = ["attention_modules", "build_cache", "compress"]
+__all__ = ["attention_modules", "build_cache", "check_config", "compress"]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -114,6 +114,26 @@ def _check_buildable(config: CompressionConfig, head_dim: int, calibration) -> N
         )
     if config.needs_calibration and calibration is None:
         raise ValueError("this config needs a calibration (centering, scaling or outlier channels)")
+
+
+def check_config(model: torch.nn.Module, config: CompressionConfig) -> None:
+    """Check, without calibrating or building anything, that ``config`` fits ``model``: its
+    exact layers and per-layer bits name layers the model has, its outlier counts are below
+    the head dimension. A config with a budget passes (its bits are chosen later by
+    :func:`rqlib.study.allocation.resolve`). ``ValueError`` naming the config otherwise."""
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
+    geometry = model_geometry(model)
+    try:
+        config.exact_layer_set(geometry.layers)
+        for count, name in (
+            (config.key_outliers, "key_outliers"),
+            (config.value_outliers, "value_outliers"),
+        ):
+            if count and not 0 < count < geometry.head_dim:
+                raise ValueError(f"{name}={count} must be below head_dim={geometry.head_dim}")
+    except ValueError as error:
+        raise ValueError(f"{config.label}: {error}") from None
 
 
 def _layer(

@@ -60,6 +60,7 @@ __all__ = [
     "measure_sensitivity",
     "refingerprint_table",
     "resolve",
+    "with_budget",
 ]
 
 KINDS = ("key", "value")
@@ -490,6 +491,11 @@ def refingerprint_table(path: Path | str, model: torch.nn.Module) -> Path:
     return path
 
 
+def with_budget(base: CompressionConfig, budget: float) -> CompressionConfig:
+    """``base``'s storage format with a bit budget (its bits reset to the uniform start)."""
+    return _uniform(base).replace(budget=budget)
+
+
 def presets_base() -> CompressionConfig:
     """The storage format the presets' sensitivity tables are measured for (bits aside)."""
     return _uniform(get_preset(next(iter(PRESETS))))
@@ -502,13 +508,15 @@ def measure_table(
     tokens: int = 1024,
     command: str | None = None,
     progress: bool = True,
+    loaded: tuple | None = None,
 ) -> tuple[Sensitivity, dict]:
     """Measure ``model_name``'s sensitivity table for ``base`` (default: the presets' format).
 
+    ``loaded`` is ``(model, tokenizer)`` when the caller has loaded ``model_name`` already.
     Returns the table and its JSON payload (the table, the model, the command and the time).
     """
     started = time.time()
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name) if loaded is None else loaded
     base = presets_base() if base is None else base
     sensitivity = measure_sensitivity(model, tokenizer, base, tokens=tokens, progress=progress)
     payload = sensitivity.to_dict()
