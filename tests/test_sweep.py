@@ -62,7 +62,8 @@ def test_plan_lists_the_product_with_distinct_run_ids(tiny, tmp_path):
     assert len(runs) == 6
     assert len({run.run_id for run in runs}) == 6
     first = runs[0]
-    assert first.run_id.startswith("bits=2+method=a-") and len(first.run_id) == len("bits=2+method=a-") + 10
+    stem = "bits=2+method=a-"
+    assert first.run_id.startswith(stem) and len(first.run_id) == len(stem) + 10
     assert first.parameters == {"bits": 2, "method": "a", "run_id": first.run_id}
     assert first.output_notebook == tmp_path / "out" / f"{first.run_id}.ipynb"
     # the readable stem sanitizes, the hash keeps apart what sanitizing merges
