@@ -16,8 +16,8 @@ its inputs:
 
 It compares them with the digests recorded at the previous build (``rqlib-inputs.json`` in the
 cache folder), removes the cache records of every chapter whose inputs changed and tells
-Sphinx to read it again (``env-get-outdated``), so that myst-nb executes it again. The Sphinx config value ``rqlib_chapter_inputs`` replaces
-:data:`CHAPTER_INPUTS`.
+Sphinx to read it again (``env-get-outdated``), so that myst-nb executes it again. The
+Sphinx config value ``rqlib_chapter_inputs`` replaces :data:`CHAPTER_INPUTS`.
 """
 
 from __future__ import annotations

@@ -150,31 +150,36 @@ def _manifest_problems(folder: Path, *, hashes: bool) -> list[str]:
     return problems
 
 
-def _convert(model: PackagedModel, target: Path) -> None:
-    """Load the GGUF once (dequantized to fp32) and save model + tokenizer as a plain folder,
-    with its manifest, renamed into place whole."""
-    from tqdm.auto import tqdm
+def _load_gguf(model: PackagedModel, workdir: Path):
+    """``(network, tokenizer)`` of a packaged model's GGUF, dequantized to plain fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(total=4, desc=f"converting {model.name} (once)", unit="step")
+    gguf = model.gguf_path(workdir)
+    network = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are now plain fp32 tensors; drop the GGUF quantizer so that the saved
+    # folder loads as an ordinary model.
+    network.hf_quantizer = None
+    if hasattr(network.config, "quantization_config"):
+        del network.config.quantization_config
+    return network, tokenizer
+
+
+def _convert(model: PackagedModel, target: Path) -> None:
+    """Load the GGUF once and save model + tokenizer as a plain folder, with its manifest,
+    renamed into place whole (readers see all of it or nothing)."""
+    from tqdm.auto import tqdm
+
+    steps = tqdm(total=3, desc=f"converting {model.name} (once)", unit="step")
     workdir = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
     try:
-        steps.set_postfix_str("locating the GGUF")
-        gguf = model.gguf_path(workdir)
-        steps.update()
         steps.set_postfix_str("loading the GGUF (up to a minute)")
-        network = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        network, tokenizer = _load_gguf(model, workdir)
         steps.update()
-        # The weights are now plain fp32 tensors; drop the GGUF quantizer so that the saved
-        # folder loads as an ordinary model.
-        network.hf_quantizer = None
-        if hasattr(network.config, "quantization_config"):
-            del network.config.quantization_config
         steps.set_postfix_str("saving")
-        with atomic_output(target, folder=True) as staging:  # readers see all or nothing
+        with atomic_output(target, folder=True) as staging:
             network.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             (staging / MANIFEST).write_text(json.dumps(_manifest(staging), indent=1))
