@@ -300,7 +300,7 @@ def collect(
         ]
         raise StaleResultsError(
             f"{len(stale)} of {len(frame)} runs were not made at the current code (code "
-            f"{code}, chapter code {', '.join(f'{k} {v}' for k, v in chapter_codes.items())}) "
+            f"{code}; chapter code {', '.join(f'{k}: {v}' for k, v in chapter_codes.items())}) "
             "from a clean tree; regenerate them with the sweep command the chapter shows:\n"
             + "\n".join(lines)
         )
