@@ -341,6 +341,18 @@ def no_clobber(ctx: Context):
     files.atomic_write_text(path, "new", overwrite=False)
 
 
+def appears_while_writing(ctx: Context):
+    """Another process creates the file while ours is being written: theirs must survive."""
+    path = ctx.tmp / "out.json"
+    try:
+        with files.atomic_output(path, overwrite=False) as temporary:
+            temporary.write_text("ours")
+            path.write_text("theirs")
+    except FileExistsError as error:
+        return path.read_text(), str(path) in str(error)
+    return path.read_text(), False
+
+
 def env_paths_expand_tilde(ctx: Context):
     ctx.monkeypatch.setenv("HOME", str(ctx.tmp))
     ctx.monkeypatch.setenv("RQLIB_CACHE", "~/c")
@@ -864,6 +876,11 @@ ROWS = [
         "writing over a user's file",
         no_clobber,
         Raises(FileExistsError, r"out\.json exists; refusing to overwrite"),
+    ),
+    Row(
+        "a file appears while writing without overwrite",
+        appears_while_writing,
+        Gives("the other file kept, FileExistsError naming it", lambda r: r == ("theirs", True)),
     ),
     Row(
         "~ in RQLIB_CACHE and RQLIB_RESULTS_DIR",
