@@ -311,6 +311,18 @@ def table_found_in(dtype):
     return run
 
 
+def packaged_table_in(dtype):
+    """The shipped SmolLM2 tables were measured in fp32; the model loaded in ``dtype``."""
+
+    def run(ctx: Context):
+        model, _ = models.load_model("smollm2-135m", dtype=dtype)
+        table = allocation.find_sensitivity(model, CompressionConfig.parse("preset:rq-3.5"))
+        shipped = json.loads((allocation.SHIPPED / "smollm2-135m.json").read_text())
+        return table is not None and table.kl == allocation.Sensitivity.from_dict(shipped).kl
+
+    return run
+
+
 def table_after_changed_weights(change):
     def run(ctx: Context):
         model = ctx.tiny()
@@ -669,6 +681,25 @@ def cli_after(prepare, runner):
     return run
 
 
+def forced_json(ctx: Context):
+    path = ctx.tmp / "out.json"
+    path.write_text("an older output")
+    code, _ = cli(
+        "eval",
+        "--tokens",
+        "64",
+        "--window",
+        "32",
+        "--json",
+        str(path),
+        "--force",
+        "--no-progress",
+        needs_model=True,
+    )(ctx)
+    payload = json.loads(path.read_text())
+    return code, payload["tokens"], payload["corpus"]["source"].startswith("/")
+
+
 def a_bug_keeps_its_traceback(ctx: Context):
     from rqlib.study import eval as evaluation
 
@@ -855,6 +886,16 @@ ROWS = [
         "table measured in fp32, model in fp16",
         table_found_in(torch.float16),
         Gives("the table is found", lambda table: table is not None),
+    ),
+    Row(
+        "packaged SmolLM2 loaded in bf16",
+        packaged_table_in(torch.bfloat16),
+        Gives("its shipped table is found", lambda found: found is True),
+    ),
+    Row(
+        "packaged SmolLM2 loaded in fp16",
+        packaged_table_in(torch.float16),
+        Gives("its shipped table is found", lambda found: found is True),
     ),
     Row(
         "attention weights scaled by 1.001",
@@ -1095,6 +1136,11 @@ ROWS = [
         "bench: a bad list of lengths",
         cli("bench", "kernels", "--kv-lens", "1,x"),
         one_line_error(r"invalid comma-separated int list value"),
+    ),
+    Row(
+        "eval: --json over an existing file with --force",
+        forced_json,
+        Gives("exit 0, the file replaced, no machine path in it", lambda r: r == (0, 64, False)),
     ),
     Row(
         "a bug keeps its traceback",

@@ -10,6 +10,7 @@ import torch
 from rqlib.book.results import (
     PROVENANCE_COLUMNS,
     ResultFileWarning,
+    StaleResultsError,
     _Text,
     collect,
     save_result,
@@ -148,3 +149,62 @@ def test_results_dir_follows_the_environment(tmp_path, monkeypatch):
 
 def test_glued_strings_have_no_quotes():
     assert repr(_Text("key_bits = 3")) == "key_bits = 3"
+
+
+def test_current_means_this_code_and_chapter_from_a_clean_tree(tmp_path, monkeypatch):
+    from rqlib.book import results
+    from rqlib.book.provenance import code_fingerprint
+
+    monkeypatch.setattr(results, "_chapter_notebook", lambda chapter: tmp_path / "none.ipynb")
+    now = {**PROVENANCE, "code": code_fingerprint(), "chapter_code": "no notebook"}
+    cases = {
+        "current": now,
+        "other-code": {**now, "code": "0" * 16},
+        "other-chapter": {**now, "chapter_code": "1" * 16},
+        "dirty": {**now, "commit": "abc-dirty"},
+        "older": {k: v for k, v in PROVENANCE.items()},  # no fingerprints at all
+    }
+    for run_id, prov in cases.items():
+        save_result(
+            "ch", run_id, parameters={}, metrics={"v": 1}, provenance=prov, directory=tmp_path
+        )
+    frame = collect("ch", directory=tmp_path).set_index("run_id")
+    assert frame["current"].to_dict() == {name: name == "current" for name in cases}
+    with pytest.raises(StaleResultsError) as refused:
+        collect("ch", directory=tmp_path, current_code_only=True)
+    for name in cases:
+        assert (
+            f"{name}.json" in str(refused.value) or f"{name}.dirty.json" in str(refused.value)
+        ) == (name != "current")
+    for path in tmp_path.glob("ch/*.json"):
+        if not path.name.startswith("current"):
+            path.unlink()
+    assert list(collect("ch", directory=tmp_path, current_code_only=True)["run_id"]) == ["current"]
+
+
+def test_a_clean_rerun_replaces_the_dirty_run_and_its_tables(tmp_path, rng):
+    table = pd.DataFrame({"x": torch.rand(3, generator=rng).numpy()})
+    dirty = {**PROVENANCE, "commit": "abc-dirty"}
+    save_result(
+        "ch",
+        "r",
+        parameters={},
+        metrics={"v": 1},
+        provenance=dirty,
+        tables={"t": table},
+        directory=tmp_path,
+    )
+    assert sorted(p.name for p in (tmp_path / "ch").iterdir()) == [
+        "r.dirty.json",
+        "r.dirty.t.parquet",
+    ]
+    save_result(
+        "ch",
+        "r",
+        parameters={},
+        metrics={"v": 2},
+        provenance=PROVENANCE,
+        tables={"t": table},
+        directory=tmp_path,
+    )
+    assert sorted(p.name for p in (tmp_path / "ch").iterdir()) == ["r.json", "r.t.parquet"]
