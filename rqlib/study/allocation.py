@@ -16,12 +16,15 @@ which :func:`allocate` solves exactly by dynamic programming over the integer nu
 bits per vector. :func:`resolve` turns a config with a budget (spec token ``alloc=3.5``) into a
 concrete one for a given model: the sensitivity table is read from the tables shipped with
 rqlib (``rqlib/study/allocations/``, measured with the command below), from the user cache, or
-measured on the spot and cached.
+measured on the spot and cached. A table is found by the signature of the weights it was
+measured on (:mod:`rqlib.hf.weights`): the same model loaded in fp32, fp16 or bf16 finds it, a
+model whose weights changed does not. A budget below the cheapest allocation is refused before
+anything is measured (:func:`check_budget`).
 
 ::
 
     python -m rqlib allocate --model smollm2-135m --budget 3.5 3 2.5 \\
-        --json rqlib/study/allocations/smollm2-135m.json
+        --json rqlib/study/allocations/smollm2-135m.json --force
 
 Without ``--base`` the table is measured for the presets of :mod:`rqlib.spec.presets` (their
 storage format, bits aside), so that ``resolve`` finds it for them.
