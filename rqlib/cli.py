@@ -11,6 +11,11 @@ Commands:
 Each command is a thin layer over a library function; this module holds every argument
 definition, so ``python -m rqlib COMMAND --help`` is the reference.
 
+Errors: every input is checked before any long work (the model, the corpus and its token
+count, the device, the output path, the specs against the model, the budgets). A user error
+is one line on stderr and exit status 2; a traceback means a bug. Output files are written
+atomically and an existing one is replaced only with ``--force``.
+
 Method specs (eval, experiment): METHOD[:TOKEN]... with METHOD one of turboquant-mse,
 turboquant-prod, rotorquant-mse, rotorquant-prod, or preset:NAME[:TOKEN]...; TOKENs:
   k3 | k=3        key bits (1..8; -prod needs >= 2)         default 3
@@ -35,17 +40,92 @@ Values always use the -mse quantizer of the method's family.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["format_table", "main"]
+__all__ = ["UsageError", "format_table", "main"]
+
+PROG = "python -m rqlib"
+
+
+class UsageError(Exception):
+    """A user error: printed as one line on stderr, exit status 2, no traceback."""
+
+
+#: What the input checks of a command may raise when the input is wrong (not a bug).
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, OSError, ModuleNotFoundError)
+
+
+@contextlib.contextmanager
+def _user_input(what: str | None = None) -> Iterator[None]:
+    """Turn the errors raised while checking the user's input into :class:`UsageError`.
+
+    Only the checking phase of a command runs inside this block; the long work after it does
+    not, so that a bug there still shows its traceback.
+    """
+    try:
+        yield
+    except UsageError:
+        raise
+    except _INPUT_ERRORS as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        prefix = f"{what}: " if what else ""
+        raise UsageError(f"{prefix}{message}") from error
+
+
+def _check_output(path: Path | None, force: bool) -> None:
+    """Refuse an output path that cannot be written, or an existing file without --force."""
+    if path is None:
+        return
+    from rqlib.base.files import check_writable
+
+    with _user_input():
+        check_writable(path, overwrite=force)
+
+
+def _write_json(path: Path, payload: dict, force: bool, indent: int = 2) -> None:
+    """Write the command's JSON output atomically (replacing a file only with --force)."""
+    from rqlib.base.files import atomic_write_text
+
+    with _user_input():
+        atomic_write_text(path, json.dumps(payload, indent=indent) + "\n", overwrite=force)
+
+
+def _check_device(name: str):
+    """The torch device ``name``; :class:`UsageError` when it is not a device or not here."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise UsageError(f"--device {name}: not a torch device ({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name}: MPS is not available on this machine")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {name}: use cpu or cuda")
+    return device
+
+
+def _at_least(name: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise UsageError(f"--{name} must be >= {minimum}, got {value}")
 
 
 def _command_line(argv: list[str]) -> str:
     return "python -m rqlib " + shlex.join(argv)
+
+
+def _force_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true", help="replace the --json file if it exists")
 
 
 # ---- eval ------------------------------------------------------------------------------------
@@ -83,6 +163,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", type=Path, default=None, metavar="PATH", help="also write results as JSON"
     )
+    _force_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -132,27 +213,41 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _run_eval(args: argparse.Namespace) -> int:
-    import torch
-
+def _prepare_eval(args: argparse.Namespace):
+    """Check every input of ``eval`` (nothing long runs before this returns)."""
     from rqlib.base.corpora import load_corpus, tokenize_corpus
+    from rqlib.hf.integration import check_config
     from rqlib.hf.models import load_model
+    from rqlib.study.allocation import check_budget
+    from rqlib.study.eval import windows
+
+    with _user_input():
+        configs = _parse_methods(args.method)
+    for name in ("tokens", "window", "context"):
+        _at_least(name, getattr(args, name), 2)
+    with _user_input("--stride"):
+        windows(args.tokens, args.window, args.stride)
+    device = _check_device(args.device)
+    _check_output(args.json, args.force)
+    with _user_input():
+        corpus = load_corpus(args.corpus)
+    with _user_input(f"--model {args.model}"):
+        model, tokenizer = load_model(args.model)
+    with _user_input("--tokens"):
+        ids = tokenize_corpus(corpus, tokenizer, args.tokens)
+    with _user_input("--method"):
+        for config in configs:
+            check_config(model, config)
+            check_budget(config, model.config, args.context)
+    return configs, corpus, model.to(device), tokenizer, ids
+
+
+def _run_eval(args: argparse.Namespace) -> int:
     from rqlib.study.allocation import resolve
     from rqlib.study.eval import evaluate
 
-    try:
-        configs = _parse_methods(args.method)
-        for name in ("tokens", "window", "context"):
-            if getattr(args, name) < 2:
-                raise ValueError(f"--{name} must be >= 2, got {getattr(args, name)}")
-        corpus = load_corpus(args.corpus)
-        started = time.time()
-        model, tokenizer = load_model(args.model)
-    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    model = model.to(torch.device(args.device))
-    ids = tokenize_corpus(corpus, tokenizer, args.tokens)
+    started = time.time()
+    configs, corpus, model, tokenizer, ids = _prepare_eval(args)
     configs = [resolve(config, model, tokenizer, context=args.context) for config in configs]
     results = evaluate(
         model,
@@ -173,8 +268,6 @@ def _run_eval(args: argparse.Namespace) -> int:
     )
     print(format_table(rows))
     if args.json is not None:
-        from rqlib.base.files import atomic_write_text
-
         payload = {
             "command": _command_line(args.argv),
             "model": args.model,
@@ -187,7 +280,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             "seconds": round(time.time() - started, 1),
             "results": rows,
         }
-        atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
+        _write_json(args.json, payload, args.force)
         print(f"wrote {args.json}")
     return 0
 
@@ -215,22 +308,56 @@ def _experiment_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--baseline", action="append", default=[], metavar="SPEC")
     parser.add_argument("--json", type=Path, required=True)
+    _force_argument(parser)
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _run_experiment(args: argparse.Namespace) -> int:
-    from rqlib.study.experiments import LEVERS, run_experiment
+def _prepare_experiment(args: argparse.Namespace):
+    """Check every input of ``experiment``; return the levers argument of run_experiment."""
+    from rqlib.base.corpora import load_corpus, tokenize_corpus
+    from rqlib.hf.models import load_tokenizer
+    from rqlib.spec.config import CompressionConfig, get_preset
+    from rqlib.study.experiments import LEVERS
 
+    for name in ("tokens", "window", "context"):
+        _at_least(name, getattr(args, name), 2)
+    _check_output(args.json, args.force)
+    if not args.presets and not args.baseline:
+        raise UsageError("give at least one preset (--presets) or --baseline")
+    with _user_input("--presets"):
+        for name in args.presets:
+            get_preset(name)
+    with _user_input("--baseline"):
+        for spec in args.baseline:
+            CompressionConfig.parse(spec)
     levers = [] if args.levers == ["none"] else args.levers
     if args.preset_levers:
         per_preset = {name: (list(LEVERS) if levers is None else levers) for name in args.presets}
         for item in args.preset_levers:
-            name, _, names = item.partition("=")
+            name, equals, names = item.partition("=")
+            if not equals:
+                raise UsageError(f"--preset-levers {item!r}: use PRESET=LEVER,LEVER")
             if name not in args.presets:
-                print(f"error: --preset-levers names {name!r}, not in --presets", file=sys.stderr)
-                return 2
+                raise UsageError(f"--preset-levers names {name!r}, not in --presets")
             per_preset[name] = [lever for lever in names.split(",") if lever]
         levers = per_preset
+    chosen = [*levers.values()] if isinstance(levers, dict) else [levers or []]
+    unknown = sorted({lever for names in chosen for lever in names} - set(LEVERS))
+    if unknown:
+        raise UsageError(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
+    with _user_input():
+        corpus = load_corpus(args.corpus)
+    with _user_input(f"--model {args.model}"):
+        tokenizer = load_tokenizer(args.model)
+    with _user_input("--tokens"):
+        tokenize_corpus(corpus, tokenizer, args.tokens)
+    return levers
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    from rqlib.study.experiments import run_experiment
+
+    levers = _prepare_experiment(args)
     payload = run_experiment(
         args.model,
         args.presets,
@@ -240,7 +367,6 @@ def _run_experiment(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         window=args.window,
         context=args.context,
-        json_path=args.json,
         progress=not args.no_progress,
         command=_command_line(args.argv),
     )
@@ -250,6 +376,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
             f"mean {row['bits_mean']:.3f}  PPL {row['perplexity']:.3f} "
             f"({row['delta_ppl_pct']:+.2f}%)  KL {row['kl']:.4f}  top1 {row['top1']:.4f}"
         )
+    _write_json(args.json, payload, args.force)
     print(f"wrote {args.json}")
     return 0
 
@@ -264,6 +391,7 @@ def _allocate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--json", required=True, type=Path)
+    _force_argument(parser)
     parser.add_argument(
         "--budget",
         type=float,
@@ -275,27 +403,42 @@ def _allocate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_allocate(args: argparse.Namespace) -> int:
-    from rqlib.base.files import atomic_write_text
+    from rqlib.base.corpora import load_corpus, tokenize_corpus
     from rqlib.hf.models import load_model
     from rqlib.spec.config import CompressionConfig
-    from rqlib.study.allocation import allocate, measure_table, presets_base
+    from rqlib.study.allocation import (
+        allocate,
+        check_budget,
+        measure_table,
+        presets_base,
+        with_budget,
+    )
 
-    base = presets_base() if args.base is None else CompressionConfig.parse(args.base)
+    _at_least("tokens", args.tokens, 2)
+    _check_output(args.json, args.force)
+    with _user_input("--base"):
+        base = presets_base() if args.base is None else CompressionConfig.parse(args.base)
+        budgets = [with_budget(base, budget) for budget in args.budget]
+    with _user_input(f"--model {args.model}"):
+        model, tokenizer = load_model(args.model)
+    with _user_input("--budget"):
+        for config in budgets:
+            check_budget(config, model.config)
+    with _user_input("--tokens"):  # the table reads the calibration corpus after its tokens
+        needed = base.calibration_tokens + args.tokens
+        tokenize_corpus(load_corpus(base.calibration_corpus), tokenizer, needed)
     sensitivity, payload = measure_table(
         args.model,
         base,
         tokens=args.tokens,
         command=_command_line(args.argv),
         progress=not args.no_progress,
+        loaded=(model, tokenizer),
     )
-    atomic_write_text(args.json, json.dumps(payload, indent=1) + "\n")
-    if args.budget:
-        model_config = load_model(args.model)[0].config
-        for budget in args.budget:
-            resolved = allocate(
-                sensitivity, base.replace(value_bits=3, budget=budget), model_config
-            )
-            print(f"alloc={budget:g}: {resolved.spec()}")
+    _write_json(args.json, payload, args.force, indent=1)
+    for config in budgets:
+        resolved = allocate(sensitivity, config, model.config)
+        print(f"alloc={config.budget:g}: {resolved.spec()}")
     print(f"wrote {args.json}")
     return 0
 
@@ -331,29 +474,36 @@ def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_sweep(args: argparse.Namespace) -> int:
     from rqlib.book.results import results_dir
-    from rqlib.book.sweep import fixed_from_file, grid_from_pairs, plan_sweep, run_sweep
+    from rqlib.book.sweep import (
+        fixed_from_file,
+        grid_from_pairs,
+        plan_sweep,
+        results_written,
+        run_sweep,
+    )
 
-    try:
+    _at_least("jobs", args.jobs, 1)
+    with _user_input():
         grid = grid_from_pairs(args.parameter)
         fixed = fixed_from_file(args.parameters_file)
         runs = plan_sweep(args.notebook, grid, fixed, args.output_dir)
-        if args.jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    except (ValueError, FileNotFoundError) as error:
-        print(f"sweep: error: {error}", file=sys.stderr)
-        return 2
+        results = results_dir()
     if args.dry_run:
         for planned in runs:
             print(planned.run_id, planned.parameters)
         return 0
+    started = time.time()
     failures = run_sweep(args.notebook, runs, jobs=args.jobs, kernel_name=args.kernel)
     chapter = Path(args.notebook).stem
+    failed = {run.run_id for run, _ in failures}
+    for run in runs:  # a run that executed but saved nothing did not succeed either
+        if run.run_id not in failed and not results_written(chapter, run, started, results):
+            failures.append((run, RuntimeError(f"wrote no results file in {results / chapter}")))
     succeeded = len(runs) - len(failures)
-    print(f"{succeeded}/{len(runs)} runs succeeded; results: {results_dir() / chapter}")
-    for failed, error in failures:
+    print(f"{succeeded}/{len(runs)} runs succeeded; results: {results / chapter}")
+    for run, error in failures:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        where = failed.output_notebook
-        print(f"FAILED {failed.run_id}: {first_line} (see {where})", file=sys.stderr)
+        print(f"FAILED {run.run_id}: {first_line} (see {run.output_notebook})", file=sys.stderr)
     return 1 if failures else 0
 
 
@@ -364,7 +514,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["kernels"], help="what to benchmark")
     parser.add_argument(
         "--kv-lens",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
+        type=_int_list,
         default=DEFAULT_KV_LENS,
         help="comma-separated context lengths (default 1k..128k)",
     )
@@ -386,11 +536,30 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """``"1024,4096"`` -> ``(1024, 4096)`` (argparse reports a ValueError as invalid input)."""
+    return tuple(int(item) for item in text.split(","))
+
+
+_int_list.__name__ = "comma-separated int list"
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     import torch
 
+    from rqlib.core.quantizers import make_quantizer
     from rqlib.study.bench import print_byte_model, run_gpu
 
+    for name, minimum in (("head_dim", 2), ("kv_heads", 1), ("group", 1), ("batch", 1)):
+        _at_least(name.replace("_", "-"), getattr(args, name), minimum)
+    if not args.kv_lens or min(args.kv_lens) < 1:
+        raise UsageError(f"--kv-lens must be positive context lengths, got {args.kv_lens}")
+    if args.hbm_gbps is not None and not args.hbm_gbps > 0:
+        raise UsageError(f"--hbm-gbps must be > 0, got {args.hbm_gbps}")
+    with _user_input("--key-method/--key-bits"):
+        make_quantizer(args.key_method, args.head_dim, args.key_bits)
+    with _user_input("--value-method/--value-bits"):
+        make_quantizer(args.value_method, args.head_dim, args.value_bits)
     if args.cpu or not torch.cuda.is_available():
         print_byte_model(args)
         print("\nTimings need a CUDA GPU: rerun `python -m rqlib bench kernels` on one.")
@@ -428,11 +597,22 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command.
+
+    Returns the exit status: 0, 1 (some sweep runs failed) or 2 (a user error, one line on
+    stderr). Exceptions other than user errors propagate with their traceback (bugs).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(
-        prog="python -m rqlib",
+    parser = _Parser(
+        prog=PROG,
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -443,4 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         command.set_defaults(_run=run)
     args = parser.parse_args(argv)
     args.argv = argv
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as error:
+        text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        print(f"{PROG} {args.command}: error: {text}", file=sys.stderr)
+        return 2

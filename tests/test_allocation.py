@@ -101,7 +101,7 @@ def test_unresolved_budgets_are_refused():
         average_bits(config, LlamaConfig(num_hidden_layers=2))
     for spec, message in [
         ("turboquant-prod:k3:v3:alloc=3", "-mse methods"),
-        ("turboquant-mse:k3:alloc=3", "compress values"),
+        ("turboquant-mse:v=fp:alloc=3", "compress values"),
         ("turboquant-mse:b3:alloc=x", "number of bits"),
         ("turboquant-mse:b3:alloc=20", "budget"),
     ]:
@@ -157,7 +157,7 @@ def test_resolve_measures_once_then_reads_the_cache(rng, tmp_path, monkeypatch):
     monkeypatch.setenv("RQLIB_CACHE", str(tmp_path))
     model = tiny_model("llama", seed_of(rng))
     tokenizer = ByteTokenizer()
-    config = CompressionConfig.parse("turboquant-mse:b2:ctr:ctok=64:alloc=2.9").replace(name="mine")
+    config = CompressionConfig.parse("turboquant-mse:ctr:ctok=64:alloc=2.9").replace(name="mine")
     calls = []
     measure = allocation.measure_sensitivity
 

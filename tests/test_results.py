@@ -7,7 +7,14 @@ import pandas as pd
 import pytest
 import torch
 
-from rqlib.book.results import PROVENANCE_COLUMNS, _Text, collect, save_result
+from rqlib.book.results import (
+    PROVENANCE_COLUMNS,
+    ResultFileWarning,
+    StaleResultsError,
+    _Text,
+    collect,
+    save_result,
+)
 
 PROVENANCE = {
     "model": "m",
@@ -112,11 +119,25 @@ def test_collect_without_results_raises(tmp_path):
         collect("nothing", directory=tmp_path)
 
 
-def test_collect_refuses_foreign_json(tmp_path):
+def test_collect_skips_and_names_foreign_and_truncated_files(tmp_path):
     (tmp_path / "ch").mkdir()
-    (tmp_path / "ch" / "x.json").write_text('{"a": 1}')
-    with pytest.raises(ValueError, match="not a rqlib result"):
-        collect("ch", directory=tmp_path)
+    foreign = tmp_path / "ch" / "x.json"
+    foreign.write_text('{"a": 1}')
+    with pytest.warns(ResultFileWarning, match=rf"{foreign}: not a rqlib result"):
+        with pytest.raises(FileNotFoundError, match="no readable results"):
+            collect("ch", directory=tmp_path)
+    good = save_result(
+        "ch", "r", parameters={}, metrics={"v": 1}, provenance=PROVENANCE, directory=tmp_path
+    )
+    truncated = tmp_path / "ch" / "t.json"
+    truncated.write_text(good.read_text()[:40])
+    with pytest.warns(ResultFileWarning) as caught:
+        frame = collect("ch", directory=tmp_path)
+    assert list(frame["run_id"]) == ["r"]
+    assert sorted(str(w.message).split(":")[0] for w in caught) == sorted(
+        [f"skipped {foreign}", f"skipped {truncated}"]
+    )
+    assert [s["path"] for s in frame.attrs["skipped"]] == [str(truncated), str(foreign)]
 
 
 def test_results_dir_follows_the_environment(tmp_path, monkeypatch):
@@ -128,3 +149,62 @@ def test_results_dir_follows_the_environment(tmp_path, monkeypatch):
 
 def test_glued_strings_have_no_quotes():
     assert repr(_Text("key_bits = 3")) == "key_bits = 3"
+
+
+def test_current_means_this_code_and_chapter_from_a_clean_tree(tmp_path, monkeypatch):
+    from rqlib.book import results
+    from rqlib.book.provenance import code_fingerprint
+
+    monkeypatch.setattr(results, "_chapter_notebook", lambda chapter: tmp_path / "none.ipynb")
+    now = {**PROVENANCE, "code": code_fingerprint(), "chapter_code": "no notebook"}
+    cases = {
+        "current": now,
+        "other-code": {**now, "code": "0" * 16},
+        "other-chapter": {**now, "chapter_code": "1" * 16},
+        "dirty": {**now, "commit": "abc-dirty"},
+        "older": {k: v for k, v in PROVENANCE.items()},  # no fingerprints at all
+    }
+    for run_id, prov in cases.items():
+        save_result(
+            "ch", run_id, parameters={}, metrics={"v": 1}, provenance=prov, directory=tmp_path
+        )
+    frame = collect("ch", directory=tmp_path).set_index("run_id")
+    assert frame["current"].to_dict() == {name: name == "current" for name in cases}
+    with pytest.raises(StaleResultsError) as refused:
+        collect("ch", directory=tmp_path, current_code_only=True)
+    for name in cases:
+        assert (
+            f"{name}.json" in str(refused.value) or f"{name}.dirty.json" in str(refused.value)
+        ) == (name != "current")
+    for path in tmp_path.glob("ch/*.json"):
+        if not path.name.startswith("current"):
+            path.unlink()
+    assert list(collect("ch", directory=tmp_path, current_code_only=True)["run_id"]) == ["current"]
+
+
+def test_a_clean_rerun_replaces_the_dirty_run_and_its_tables(tmp_path, rng):
+    table = pd.DataFrame({"x": torch.rand(3, generator=rng).numpy()})
+    dirty = {**PROVENANCE, "commit": "abc-dirty"}
+    save_result(
+        "ch",
+        "r",
+        parameters={},
+        metrics={"v": 1},
+        provenance=dirty,
+        tables={"t": table},
+        directory=tmp_path,
+    )
+    assert sorted(p.name for p in (tmp_path / "ch").iterdir()) == [
+        "r.dirty.json",
+        "r.dirty.t.parquet",
+    ]
+    save_result(
+        "ch",
+        "r",
+        parameters={},
+        metrics={"v": 2},
+        provenance=PROVENANCE,
+        tables={"t": table},
+        directory=tmp_path,
+    )
+    assert sorted(p.name for p in (tmp_path / "ch").iterdir()) == ["r.json", "r.t.parquet"]

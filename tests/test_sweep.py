@@ -61,9 +61,34 @@ def test_plan_lists_the_product_with_distinct_run_ids(tiny, tmp_path):
     runs = plan_sweep(tiny, {"bits": [2, 3, 4], "method": ["a", "b"]}, {}, tmp_path / "out")
     assert len(runs) == 6
     assert len({run.run_id for run in runs}) == 6
-    assert runs[0].parameters == {"bits": 2, "method": "a", "run_id": "bits=2+method=a"}
-    assert runs[0].output_notebook == tmp_path / "out" / "bits=2+method=a.ipynb"
-    assert run_id_for({"m": "a/b c"}) == "m=a_b_c"
+    first = runs[0]
+    stem = "bits=2+method=a-"
+    assert first.run_id.startswith(stem) and len(first.run_id) == len(stem) + 10
+    assert first.parameters == {"bits": 2, "method": "a", "run_id": first.run_id}
+    assert first.output_notebook == tmp_path / "out" / f"{first.run_id}.ipynb"
+    # the readable stem sanitizes, the hash keeps apart what sanitizing merges
+    ids = [run_id_for({"m": value}) for value in ("a/b", "a_b", "a b", "a\\b")]
+    assert all(i.startswith("m=a_b-") for i in ids) and len(set(ids)) == 4
+    # the hash covers every parameter, typed: -f values and value types count
+    assert run_id_for({"m": "a"}, {"m": "a", "bits": 3}) != run_id_for({"m": "a"}, {"m": "a"})
+    assert run_id_for({"bits": 3}) != run_id_for({"bits": "3"})
+
+
+def test_run_ids_cover_the_parameters_file_and_the_chapter_defaults(tiny, tmp_path):
+    grid = {"method": ["a"]}
+    plain = plan_sweep(tiny, grid, {}, tmp_path)
+    with_file = plan_sweep(tiny, grid, {"bits": 5}, tmp_path)
+    assert plain[0].run_id != with_file[0].run_id
+    assert plan_sweep(tiny, grid, {}, tmp_path)[0].run_id == plain[0].run_id  # deterministic
+    # a chapter whose default changed gets other ids: its old runs are not replaced
+    changed = write_notebook(
+        tmp_path / "tiny.ipynb",
+        [
+            (kind, source.replace("bits = 3", "bits = 4"), tags)
+            for kind, source, tags in TINY_CHAPTER
+        ],
+    )
+    assert plan_sweep(changed, grid, {}, tmp_path)[0].run_id != plain[0].run_id
 
 
 @pytest.mark.parametrize(
@@ -132,7 +157,11 @@ def test_sweep_runs_every_combination_and_reports_failures(
     assert list(frame["method"]) == ["a", "bb"]
     assert list(frame["bits"]) == [5, 5]  # from the parameters file
     assert list(frame["score"]) == [51, 52]  # computed by the notebook from its parameters
+    runs = {
+        run.parameters["method"]: run
+        for run in plan_sweep(tiny, {"method": ["a", "bb", "broken"]}, {"bits": 5})
+    }
     executed = sorted(p.name for p in (tmp_path / "executed").iterdir())
-    assert executed == ["method=a.ipynb", "method=bb.ipynb", "method=broken.ipynb"]
-    record = json.loads((tmp_path / "results" / "tiny" / "method=a.json").read_text())
+    assert executed == sorted(f"{run.run_id}.ipynb" for run in runs.values())
+    record = json.loads((tmp_path / "results" / "tiny" / f"{runs['a'].run_id}.json").read_text())
     assert record["parameters"] == {"bits": 5, "method": "a"}

@@ -6,6 +6,18 @@ the run's parameters, its metrics and its provenance; large tables go next to it
 :func:`collect` reads them all back, one row per run, parameters and metrics as columns.
 :func:`glue_metrics` hands numbers to the book's prose through myst-nb ``glue``, so that no
 number in the text is typed by hand.
+
+Nothing is lost or silently replaced:
+
+- every file is written atomically (a reader sees the old file or the new one);
+- a run is replaced only by a run with the same parameters (the same run at other code):
+  saving another run under an existing ``run_id`` raises ``FileExistsError`` naming the file;
+- a run made from a tree with uncommitted code changes (provenance commit ``...-dirty``) is
+  saved as ``<run_id>.dirty.json``, a name the repository's ``.gitignore`` keeps out of
+  committed results; a clean run of the same ``run_id`` replaces it;
+- :func:`collect` reports (warning) and skips every file it cannot read, naming each, and
+  with ``current_code_only=True`` refuses runs made at other code or from a dirty tree
+  (:class:`StaleResultsError` lists them with the fingerprints).
 """
 
 from __future__ import annotations
@@ -13,22 +25,57 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from rqlib.base.files import CorruptFileError, atomic_output, atomic_write_text, read_json
 from rqlib.base.paths import env_path, repo_root
+from rqlib.book.provenance import chapter_fingerprint, code_fingerprint
+
+__all__ = [
+    "PROVENANCE_COLUMNS",
+    "ResultFileWarning",
+    "StaleResultsError",
+    "collect",
+    "common_provenance",
+    "glue_metrics",
+    "results_dir",
+    "save_result",
+]
 
 #: Environment variable that moves the results folder (default: ``<repo>/results``).
 RESULTS_DIR_ENV = "RQLIB_RESULTS_DIR"
 
 #: Provenance fields :func:`collect` returns as ``prov_<field>`` columns.
-PROVENANCE_COLUMNS = ("model", "corpus", "corpus_sha256", "tokens", "device", "commit")
+PROVENANCE_COLUMNS = (
+    "model",
+    "weights",
+    "corpus",
+    "corpus_sha256",
+    "tokens",
+    "device",
+    "commit",
+    "code",
+    "chapter_code",
+)
+#: What makes two runs comparable: the same model, weights, text and number of tokens.
+CONTENT_COLUMNS = ("prov_model", "prov_weights", "prov_corpus_sha256", "prov_tokens")
+DIRTY_SUFFIX = ".dirty"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 _SCALAR = (str, int, float, bool, type(None))
+
+
+class ResultFileWarning(UserWarning):
+    """A results file that :func:`collect` skipped (the message names it and says why)."""
+
+
+class StaleResultsError(ValueError):
+    """Runs made at another code state or from a dirty tree, where only current runs count."""
 
 
 def results_dir() -> Path:
@@ -37,10 +84,10 @@ def results_dir() -> Path:
 
 
 def _check_name(kind: str, name: str) -> str:
-    if not isinstance(name, str) or not _SAFE_NAME.match(name):
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name.endswith(DIRTY_SUFFIX):
         raise ValueError(
             f"{kind} must be a non-empty file-name-safe string (letters, digits, '._=+-', "
-            f"not starting with a punctuation mark), got {name!r}"
+            f"not starting with a punctuation mark, not ending in {DIRTY_SUFFIX!r}), got {name!r}"
         )
     return name
 
@@ -63,6 +110,21 @@ def _plain(value: Any, where: str) -> Any:
     )
 
 
+def _is_dirty(provenance: Mapping) -> bool:
+    return str(provenance.get("commit", "")).endswith("-dirty")
+
+
+def _remove_run(folder: Path, stem: str) -> None:
+    """Delete a run's JSON and its tables (a superseded ``.dirty`` run)."""
+    for path in [folder / f"{stem}.json", *folder.glob(f"{_glob_escape(stem)}.*.parquet")]:
+        path.unlink(missing_ok=True)
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` with the glob metacharacters ``*?[`` escaped."""
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
 def save_result(
     chapter: str,
     run_id: str,
@@ -73,16 +135,21 @@ def save_result(
     tables: Mapping[str, pd.DataFrame] | None = None,
     directory: Path | str | None = None,
 ) -> Path:
-    """Write one run's results to ``<directory>/<chapter>/<run_id>.json`` and return the path.
+    """Write one run's results to ``<directory>/<chapter>/<run_id>.json`` and return the path
+    (``<run_id>.dirty.json`` when the provenance's commit is ``-dirty``).
 
     Args:
-        chapter: the chapter's notebook stem, e.g. ``"04_perplexity"``.
+        chapter: the chapter's notebook stem, e.g. ``"04_perplexity"``; the code cells of
+            ``notebooks/<chapter>.ipynb`` are fingerprinted into the provenance
+            (``chapter_code``).
         run_id: the run's name (the sweep derives it from the combination of parameters).
         parameters: the notebook's parameters for this run.
         metrics: scalar results (numbers or strings), the columns :func:`collect` returns.
         provenance: a :class:`rqlib.book.provenance.Provenance` (or its ``to_dict()``).
-        tables: optional larger tables, written as ``<run_id>.<name>.parquet`` beside the JSON.
+        tables: optional larger tables, written as ``<stem>.<name>.parquet`` beside the JSON.
         directory: the results folder (default :func:`results_dir`).
+
+    Raises ``FileExistsError`` naming the file when it holds a run with other parameters.
     """
     _check_name("chapter", chapter)
     _check_name("run_id", run_id)
@@ -95,37 +162,106 @@ def save_result(
     prov = provenance.to_dict() if hasattr(provenance, "to_dict") else provenance
     if not isinstance(prov, Mapping) or "commit" not in prov:
         raise TypeError("provenance must be a rqlib.book.provenance.Provenance or its to_dict()")
-
-    folder = (Path(directory) if directory is not None else results_dir()) / chapter
-    folder.mkdir(parents=True, exist_ok=True)
-    table_files = {}
     for name, frame in (tables or {}).items():
         _check_name("table name", name)
         if not isinstance(frame, pd.DataFrame):
             raise TypeError(f"tables[{name!r}] must be a pandas DataFrame")
-        table_path = folder / f"{run_id}.{name}.parquet"
-        frame.to_parquet(table_path)
+    plain_parameters = _plain(dict(parameters), "parameters")
+    prov = dict(prov)
+    prov.setdefault("chapter_code", chapter_fingerprint(_chapter_notebook(chapter)))
+
+    folder = (Path(directory) if directory is not None else results_dir()) / chapter
+    dirty = _is_dirty(prov)
+    stem = run_id + (DIRTY_SUFFIX if dirty else "")
+    path = folder / f"{stem}.json"
+    for existing in {path, folder / f"{run_id}.json"}:
+        _refuse_other_run(existing, plain_parameters)
+    table_files = {}
+    for name, frame in (tables or {}).items():
+        table_path = folder / f"{stem}.{name}.parquet"
+        with atomic_output(table_path) as temporary:
+            frame.to_parquet(temporary)
         table_files[name] = table_path.name
     record = {
         "chapter": chapter,
         "run_id": run_id,
-        "parameters": _plain(dict(parameters), "parameters"),
+        "parameters": plain_parameters,
         "metrics": _plain(dict(metrics), "metrics"),
-        "provenance": _plain(dict(prov), "provenance"),
+        "provenance": _plain(prov, "provenance"),
         "tables": table_files,
     }
-    path = folder / f"{run_id}.json"
-    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    if not dirty:  # a clean run supersedes a local dirty run of the same combination
+        _remove_run(folder, run_id + DIRTY_SUFFIX)
     return path
 
 
-def collect(chapter: str | None = None, directory: Path | str | None = None) -> pd.DataFrame:
+def _chapter_notebook(chapter: str) -> Path:
+    try:
+        return repo_root() / "notebooks" / f"{chapter}.ipynb"
+    except FileNotFoundError:  # rqlib installed outside a checkout: no chapters to hash
+        return Path("/nonexistent") / f"{chapter}.ipynb"
+
+
+def _refuse_other_run(path: Path, parameters: dict) -> None:
+    """``FileExistsError`` when ``path`` holds a run with other parameters."""
+    if not path.is_file():
+        return
+    try:
+        existing = read_json(path).get("parameters")
+    except (CorruptFileError, AttributeError):
+        return  # unreadable: replacing it loses nothing
+    if existing != parameters:
+        changed = sorted(
+            name
+            for name in set(existing or {}) | set(parameters)
+            if (existing or {}).get(name) != parameters.get(name)
+        )
+        raise FileExistsError(
+            f"{path} holds another run with the same run_id (parameters differ: {changed}); "
+            "a run is only replaced by a rerun of the same parameters"
+        )
+
+
+def _read_run(path: Path) -> dict:
+    """One row of :func:`collect`; ``ValueError`` saying why the file is not a result."""
+    record = read_json(path)
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    missing = {"chapter", "run_id", "parameters", "metrics", "provenance"} - set(record)
+    if missing:
+        raise ValueError(f"not a rqlib result (missing {sorted(missing)})")
+    for key in ("parameters", "metrics", "provenance"):
+        if not isinstance(record[key], dict):
+            raise ValueError(f"{key} is not a mapping")
+    row: dict[str, Any] = {"chapter": record["chapter"], "run_id": record["run_id"]}
+    row.update(record["parameters"])
+    row.update(record["metrics"])
+    for key in PROVENANCE_COLUMNS:
+        row[f"prov_{key}"] = record["provenance"].get(key)
+    row["prov_dirty"] = _is_dirty(record["provenance"])
+    row["path"] = str(path)
+    return row
+
+
+def collect(
+    chapter: str | None = None,
+    directory: Path | str | None = None,
+    *,
+    current_code_only: bool = False,
+) -> pd.DataFrame:
     """All saved runs (of one chapter, or of every chapter) as a DataFrame, one row per run.
 
     Columns: ``chapter``, ``run_id``, then every parameter and metric under its own name, then
     the provenance fields of :data:`PROVENANCE_COLUMNS` prefixed ``prov_`` (``prov_commit``,
-    ``prov_device``, ...), and ``path``. Raises
-    ``FileNotFoundError`` when there is nothing to collect (an empty frame would hide a typo).
+    ``prov_code``, ...), ``prov_dirty``, ``current`` (made at the current code from a clean
+    tree) and ``path``. A file that cannot be read is skipped with a :class:`ResultFileWarning`
+    naming it and saying why; the skipped files are also in ``frame.attrs["skipped"]``.
+
+    With ``current_code_only=True``, :class:`StaleResultsError` lists every run made at another
+    code state (library or chapter code) or from a dirty tree, with the command that
+    regenerates them. Raises ``FileNotFoundError`` when there is nothing to collect (an empty
+    frame would hide a typo).
     """
     root = Path(directory) if directory is not None else results_dir()
     if chapter is not None:
@@ -134,20 +270,58 @@ def collect(chapter: str | None = None, directory: Path | str | None = None) -> 
     paths = sorted(root.glob(pattern))
     if not paths:
         raise FileNotFoundError(f"no results match {root / pattern}")
-    rows = []
+    rows, skipped = [], []
     for path in paths:
-        record = json.loads(path.read_text())
-        missing = {"chapter", "run_id", "parameters", "metrics", "provenance"} - set(record)
-        if missing:
-            raise ValueError(f"{path} is not a rqlib result (missing {sorted(missing)})")
-        row: dict[str, Any] = {"chapter": record["chapter"], "run_id": record["run_id"]}
-        row.update(record["parameters"])
-        row.update(record["metrics"])
-        for key in PROVENANCE_COLUMNS:
-            row[f"prov_{key}"] = record["provenance"].get(key)
-        row["path"] = str(path)
-        rows.append(row)
-    return pd.DataFrame(rows)
+        try:
+            rows.append(_read_run(path))
+        except ValueError as error:  # CorruptFileError included
+            reason = error.reason if isinstance(error, CorruptFileError) else str(error)
+            skipped.append({"path": str(path), "reason": reason})
+            warnings.warn(f"skipped {path}: {reason}", ResultFileWarning, stacklevel=2)
+    if not rows:
+        raise FileNotFoundError(f"no readable results in {root / pattern} (skipped {skipped})")
+    frame = pd.DataFrame(rows)
+    code = code_fingerprint()
+    chapter_codes = {
+        name: chapter_fingerprint(_chapter_notebook(name)) for name in frame["chapter"].unique()
+    }
+    frame["current"] = (
+        (frame["prov_code"] == code)
+        & (frame["prov_chapter_code"] == frame["chapter"].map(chapter_codes))
+        & ~frame["prov_dirty"]
+    )
+    frame.attrs["skipped"] = skipped
+    if current_code_only and not frame["current"].all():
+        stale = frame[~frame["current"]]
+        lines = [
+            f"{row.path}: code {row.prov_code}, chapter code {row.prov_chapter_code}, "
+            f"commit {row.prov_commit}"
+            for row in stale.itertuples()
+        ]
+        raise StaleResultsError(
+            f"{len(stale)} of {len(frame)} runs were not made at the current code (code "
+            f"{code}; chapter code {', '.join(f'{k}: {v}' for k, v in chapter_codes.items())}) "
+            "from a clean tree; regenerate them with the sweep command the chapter shows:\n"
+            + "\n".join(lines)
+        )
+    return frame
+
+
+def common_provenance(frame: pd.DataFrame) -> dict[str, Any]:
+    """What every run of ``frame`` (from :func:`collect`) shares: model, weights, corpus
+    sha256 and tokens, compared by content (a corpus read from two paths is one corpus);
+    ``ValueError`` listing the distinct combinations and a file of each when they differ."""
+    missing = [column for column in CONTENT_COLUMNS if column not in frame.columns]
+    if missing:
+        raise ValueError(f"not a frame from collect(): no columns {missing}")
+    groups = frame.groupby(list(CONTENT_COLUMNS), dropna=False)["path"].first()
+    if len(groups) != 1:
+        listing = "\n".join(
+            f"{dict(zip(CONTENT_COLUMNS, key))}: e.g. {path}" for key, path in groups.items()
+        )
+        raise ValueError(f"the runs mix models, weights or texts:\n{listing}")
+    (key,) = groups.index
+    return {column.removeprefix("prov_"): value for column, value in zip(CONTENT_COLUMNS, key)}
 
 
 class _Text(str):

@@ -12,11 +12,21 @@ fixed parameters for every run (e.g. a GPU box's model and corpus; ``-p`` wins o
 Parameter names are checked against the chapter's ``parameters`` cell before anything runs;
 values are read as YAML scalars (``3`` is an int, ``0.5`` a float, ``true`` a bool, anything
 else a string).
+
+Run ids: a readable stem made of the ``-p`` combination, then a hash of every parameter the
+run gets (the ``-p`` values, the ``-f`` file's values and the chapter's defaults for the rest),
+e.g. ``key_bits=3+method=turboquant-mse-1a2b3c4d5e``. Two runs with different parameters never
+share an id (values such as ``a/b``, ``a_b`` and ``a b`` have the same stem but not the same
+hash), so a rerun with another parameters file writes new results instead of replacing the
+earlier ones (and :func:`rqlib.book.results.save_result` refuses to replace a run by another).
+A run counts as succeeded only if it executed and wrote its results file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -31,6 +41,8 @@ from rqlib.base.paths import repo_root
 
 #: The parameter every sweepable chapter must have: the name of its results file.
 RUN_ID_PARAMETER = "run_id"
+#: Longest readable stem of a run id (the hash after it keeps ids distinct).
+STEM_LENGTH = 80
 
 
 @dataclass(frozen=True)
@@ -66,12 +78,31 @@ def parse_value(text: str) -> Any:
     return value
 
 
-def run_id_for(combination: Mapping[str, Any]) -> str:
-    """A file-name-safe name for one combination, e.g. ``key_bits=3+method=turboquant-mse``."""
-    if not combination:
-        return "defaults"
-    parts = [f"{name}={value}" for name, value in combination.items()]
-    return re.sub(r"[^A-Za-z0-9._=+-]", "_", "+".join(parts))
+def _canonical(value: Any) -> str:
+    """A value as typed JSON (``3`` and ``"3"`` differ), for hashing."""
+    return json.dumps(value, sort_keys=True, default=lambda v: f"{type(v).__name__}:{v!r}")
+
+
+def run_id_for(combination: Mapping[str, Any], parameters: Mapping[str, Any] | None = None) -> str:
+    """The id of one run: a readable stem from ``combination`` (the ``-p`` values) and a hash of
+    ``parameters`` (every parameter the run gets; default: the combination alone).
+
+    ``key_bits=3+method=turboquant-mse-1a2b3c4d5e``: the stem keeps letters, digits and
+    ``._=+-`` (other characters become ``_``, at most :data:`STEM_LENGTH` of them); the hash,
+    10 hex digits of a sha256 of the parameters as typed JSON, tells apart what the stem
+    cannot.
+    """
+    parameters = dict(combination if parameters is None else parameters)
+    parameters.pop(RUN_ID_PARAMETER, None)
+    if combination:
+        stem = "+".join(f"{name}={value}" for name, value in combination.items())
+        stem = re.sub(r"[^A-Za-z0-9._=+-]", "_", stem)[:STEM_LENGTH].strip("._=+-") or "run"
+        if not stem[0].isalnum():
+            stem = "run" + stem
+    else:
+        stem = "defaults"
+    digest = hashlib.sha256(_canonical(parameters).encode()).hexdigest()[:10]
+    return f"{stem}-{digest}"
 
 
 def plan_sweep(
@@ -111,12 +142,23 @@ def plan_sweep(
     if output_dir is None:
         output_dir = repo_root() / "book" / "_generated" / chapter
     output_dir = Path(output_dir)
-    runs = []
+    # what a parameter is when the run does not set it: the chapter's default, as written
+    defaults = {
+        name: f"default: {info.get('default')}"
+        for name, info in known.items()
+        if name != RUN_ID_PARAMETER
+    }
+    runs: list[SweepRun] = []
+    seen: dict[str, dict] = {}
     names = list(grid)
     for values in itertools.product(*(grid[name] for name in names)):
         combination = dict(zip(names, values))
-        run_id = run_id_for(combination)
-        parameters = {**fixed, **combination, RUN_ID_PARAMETER: run_id}
+        given = {**fixed, **combination}
+        run_id = run_id_for(combination, {**defaults, **given})
+        if run_id in seen:  # a hash collision: never let two runs share a results file
+            raise ValueError(f"runs {seen[run_id]} and {combination} share the id {run_id!r}")
+        seen[run_id] = combination
+        parameters = {**given, RUN_ID_PARAMETER: run_id}
         runs.append(SweepRun(run_id, parameters, output_dir / f"{run_id}.ipynb"))
     return runs
 
@@ -180,12 +222,30 @@ def grid_from_pairs(pairs: list[list[str]]) -> dict[str, list[Any]]:
 
 
 def fixed_from_file(path: Path | None) -> dict[str, Any]:
-    """The fixed parameters of a YAML parameters file (``{}`` without one)."""
+    """The fixed parameters of a YAML parameters file (``{}`` without one); ``ValueError``
+    naming the file when it is not YAML or not a mapping of names to values."""
     if path is None:
         return {}
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"parameters file {path} does not exist")
-    loaded = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(loaded, dict):
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        first = str(error).strip().splitlines()
+        raise ValueError(
+            f"parameters file {path} is not valid YAML: {' '.join(line.strip() for line in first)}"
+        ) from None
+    loaded = {} if loaded is None else loaded
+    if not isinstance(loaded, dict) or not all(isinstance(key, str) for key in loaded):
         raise ValueError(f"parameters file {path} must hold a mapping of name: value")
     return loaded
+
+
+def results_written(chapter: str, run: SweepRun, since: float, directory: Path) -> bool:
+    """Whether ``run`` wrote its results file (clean or ``.dirty``) at or after ``since``."""
+    for name in (f"{run.run_id}.json", f"{run.run_id}.dirty.json"):
+        path = Path(directory) / chapter / name
+        if path.is_file() and path.stat().st_mtime >= since - 1:
+            return True
+    return False

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,8 +147,13 @@ def _load_or_solve(d: int, bits: int, law: str) -> Codebook:
         if centroids.shape == (2**bits,) and stored.get("tolerance") == TOLERANCE:
             boundaries = (centroids[1:] + centroids[:-1]) / 2
             return Codebook(d, bits, law, centroids, boundaries, float(stored["distortion"]))
-    except (OSError, ValueError, KeyError):
+    except FileNotFoundError:
         pass
+    except (OSError, ValueError, KeyError, TypeError) as error:  # a cache: solved again
+        print(
+            f"rqlib: ignoring the corrupt codebook cache {path} ({error}); solving again",
+            file=sys.stderr,
+        )
     codebook = _solve(d, bits, law)
     record = {
         "d": d,

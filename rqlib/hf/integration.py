@@ -21,6 +21,7 @@ the ``_attn_implementation`` of the model's configs to ``"rqlib"`` and back.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -33,7 +34,7 @@ from rqlib.spec.codecs import CodecPlan, layer_plan
 from rqlib.spec.config import CompressionConfig
 from rqlib.spec.geometry import model_geometry
 
-__all__ = ["attention_modules", "build_cache", "compress"]
+__all__ = ["attention_modules", "build_cache", "check_config", "compress"]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -115,6 +116,26 @@ def _check_buildable(config: CompressionConfig, head_dim: int, calibration) -> N
         raise ValueError("this config needs a calibration (centering, scaling or outlier channels)")
 
 
+def check_config(model: torch.nn.Module, config: CompressionConfig) -> None:
+    """Check, without calibrating or building anything, that ``config`` fits ``model``: its
+    exact layers and per-layer bits name layers the model has, its outlier counts are below
+    the head dimension. A config with a budget passes (its bits are chosen later by
+    :func:`rqlib.study.allocation.resolve`). ``ValueError`` naming the config otherwise."""
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"config must be a CompressionConfig, got {type(config).__name__}")
+    geometry = model_geometry(model)
+    try:
+        config.exact_layer_set(geometry.layers)
+        for count, name in (
+            (config.key_outliers, "key_outliers"),
+            (config.value_outliers, "value_outliers"),
+        ):
+            if count and not 0 < count < geometry.head_dim:
+                raise ValueError(f"{name}={count} must be below head_dim={geometry.head_dim}")
+    except ValueError as error:
+        raise ValueError(f"{config.label}: {error}") from None
+
+
 def _layer(
     config: CompressionConfig,
     layer: int,
@@ -181,6 +202,54 @@ def build_cache(
     return CompressedCache(layers, config, id(model))
 
 
+class _Installed:
+    """One transformers config switched to the rqlib attention, and the blocks holding it."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.saved = config._attn_implementation_internal
+        self.holders: set[int] = set()
+
+
+#: id(config) -> the config switched to "rqlib" while at least one compress() block holds it.
+#: Models may share a config object (or sub-configs); the original setting is restored when the
+#: last block holding it ends, whatever the order in which blocks end.
+_INSTALLED: dict[int, _Installed] = {}
+_INSTALL_LOCK = threading.Lock()
+
+
+def _attention_configs(model: torch.nn.Module) -> list:
+    """The model's config and every sub-config that carries an attention implementation."""
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        sub = getattr(module, "config", None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            configs[id(sub)] = sub
+    return list(configs.values())
+
+
+def _install(configs: list, block: int) -> None:
+    with _INSTALL_LOCK:
+        for config in configs:
+            entry = _INSTALLED.get(id(config))
+            if entry is None:
+                entry = _INSTALLED[id(config)] = _Installed(config)
+                config._attn_implementation_internal = attention.ATTENTION_NAME
+            entry.holders.add(block)
+
+
+def _uninstall(configs: list, block: int) -> None:
+    with _INSTALL_LOCK:
+        for config in configs:
+            entry = _INSTALLED.get(id(config))
+            if entry is None or block not in entry.holders:
+                continue
+            entry.holders.discard(block)
+            if not entry.holders:  # the last block holding this config: restore it exactly
+                config._attn_implementation_internal = entry.saved
+                del _INSTALLED[id(config)]
+
+
 @contextlib.contextmanager
 def compress(
     model: torch.nn.Module,
@@ -196,8 +265,14 @@ def compress(
     or outlier channels are calibrated first on ``config.calibration_corpus`` (never the
     evaluation text), with ``tokenizer`` (default: loaded from the model's ``name_or_path``).
     Pass the yielded cache as ``past_key_values`` to ``forward`` or ``generate``; call
-    ``cache.reset()`` between unrelated sequences. On leaving the block, normally or by an
-    exception, the model's attention implementation is restored exactly.
+    ``cache.reset()`` between unrelated sequences.
+
+    The cache is usable only inside this block: it refuses updates once the block ends. A model
+    can be inside one block at a time. On leaving the block, normally or by an exception, the
+    model's attention implementation is restored exactly; when several models share a config
+    (or a sub-config), it is restored when the last of their blocks ends, in whatever order
+    they end (until then the shared config stays on the rqlib attention, and a model sharing it
+    outside its block gets an error, never attention without its cache).
     """
     if isinstance(config, str):
         config = CompressionConfig.parse(config)
@@ -207,6 +282,8 @@ def compress(
         )
     modules = attention_modules(model)
     _check_buildable(config, model_geometry(model).head_dim, calibration=True)
+    if any(module in attention.ACTIVE for module in modules):
+        raise RuntimeError("this model is already inside a rqlib.hf.compress(...) block")
     attention.register()
     calibration = None
     if config.needs_calibration:
@@ -224,25 +301,17 @@ def compress(
             model, tokenizer, config.calibration_corpus, config.calibration_tokens
         )
     cache = build_cache(model, config, calibration)
-    configs = {id(model.config): model.config}
-    for module in model.modules():
-        sub = getattr(module, "config", None)
-        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-            configs[id(sub)] = sub
-    saved = {key: c._attn_implementation_internal for key, c in configs.items()}
-    busy = [module for module in modules if module in attention.ACTIVE]
-    if busy:
-        raise RuntimeError("this model is already inside a rqlib.hf.compress(...) block")
+    configs = _attention_configs(model)
+    block = id(cache)  # unique while the block runs: the cache lives until its end
     try:
         for module in modules:
             attention.ACTIVE[module] = (cache, module.layer_idx)
-        for c in configs.values():
-            c._attn_implementation_internal = attention.ATTENTION_NAME
+        _install(configs, block)
         cache.set_active(True)
         yield cache
     finally:
         cache.set_active(False)
-        for key, c in configs.items():
-            c._attn_implementation_internal = saved[key]
+        _uninstall(configs, block)
         for module in modules:
-            attention.ACTIVE.pop(module, None)
+            if attention.ACTIVE.get(module, (None,))[0] is cache:
+                attention.ACTIVE.pop(module, None)

@@ -35,8 +35,14 @@ override it). TOKENs (``name=value`` or the short form):
 ``calib=pydoc``        calibration corpus; ``ctok=2048`` its number of tokens
 ``alloc=3.5``          per-layer key and value bits chosen for this model so that the average
                        bits are at most 3.5, where its measured sensitivity says they matter
-                       (:mod:`rqlib.study.allocation`; resolved against a model before use)
+                       (:mod:`rqlib.study.allocation`; resolved against a model before use).
+                       It chooses every layer's bits, so per-layer bits, ``exact=`` and
+                       uniform bits other than 3 (``b3`` is accepted) are refused with it
 =====================  ===================================================================
+
+Each setting is given once: a repeated or contradictory token (``k3:k4``, ``b3:k4``,
+``k0-3=4:k2=5``, ``ctr:ctr``) is refused, as is a number out of range (the error names the
+token). After ``preset:NAME`` the tokens override the preset's settings.
 
 Values always use the MSE quantizer of the method's family (``turboquant-mse`` or
 ``rotorquant-mse``): an inner-product estimator is no use for a weighted sum of values.
@@ -49,29 +55,67 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rqlib.base.corpora import CORPORA
 from rqlib.core.codebooks import LAWS as CODEBOOK_LAWS
 from rqlib.core.quantizers import METHODS as QUANTIZER_METHODS
 from rqlib.core.quantizers import SKETCHES as QJL_SKETCHES
 from rqlib.core.rotations import KINDS as ROTATIONS
 from rqlib.spec.presets import PRESETS
 
-__all__ = ["METHODS", "ROTATIONS", "QJL_SKETCHES", "CompressionConfig", "get_preset"]
+__all__ = [
+    "METHODS",
+    "ROTATIONS",
+    "QJL_SKETCHES",
+    "CompressionConfig",
+    "ConfigFieldError",
+    "get_preset",
+]
 
 METHODS = tuple(QUANTIZER_METHODS)
 MIN_BITS, MAX_BITS = 1, 8
+#: The uniform bits a budget (``alloc=``) starts from; the allocation replaces them per layer.
+BUDGET_START_BITS = 3
+#: Upper limits of the counts a spec may give (far above any real model; they stop a typo such
+#: as ``sink99999999999`` from overflowing deep inside with an unrelated error).
+LIMITS = {
+    "layer": 4095,  # a layer index (per-layer bits, exact=): models have at most a few hundred
+    "n_sink": 1 << 20,
+    "recent_window": 1 << 20,
+    "key_outliers": 1024,  # also checked against head_dim when the cache is built
+    "value_outliers": 1024,
+    "qjl_dim": 1 << 16,
+    "seed": (1 << 32) - 1,  # rotations draw from seed * 1e6 + 10 * layer: must fit in 64 bits
+    "calibration_tokens": 1 << 24,
+}
 
 
-def _check_bits(name: str, bits: Any, *, allow_none: bool, minimum: int = MIN_BITS) -> None:
+class ConfigFieldError(ValueError):
+    """A field of :class:`CompressionConfig` out of range; ``field`` names it (the spec parser
+    names the token that set it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+def _check_bits(name: str, bits: Any, *, allow_none: bool, minimum: int = MIN_BITS, field=None):
     if bits is None and allow_none:
         return
     if isinstance(bits, bool) or not isinstance(bits, int) or not minimum <= bits <= MAX_BITS:
         allowed = f"an int in {minimum}..{MAX_BITS}" + (" or None (full precision)" * allow_none)
-        raise ValueError(f"{name} must be {allowed}, got {bits!r}")
+        raise ConfigFieldError(field or name, f"{name} must be {allowed}, got {bits!r}")
 
 
-def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+def _check_count(name: str, value: Any, field: str | None = None, limit: str | None = None):
+    maximum = LIMITS.get(limit or name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 0
+        or (maximum is not None and value > maximum)
+    ):
+        allowed = "an int >= 0" if maximum is None else f"an int in 0..{maximum}"
+        raise ConfigFieldError(field or name, f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -114,80 +158,157 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise ConfigFieldError(
+                "method", f"method must be one of {METHODS}, got {self.method!r}"
+            )
         key_minimum = 2 if self.is_prod else MIN_BITS
         _check_bits("key_bits", self.key_bits, allow_none=False, minimum=key_minimum)
         _check_bits("value_bits", self.value_bits, allow_none=True)
-        for layer, bits in self.layer_key_bits:
-            _check_count("layer index in layer_key_bits", layer)
-            _check_bits(f"key bits of layer {layer}", bits, allow_none=False, minimum=key_minimum)
-        for layer, bits in self.layer_value_bits:
-            _check_count("layer index in layer_value_bits", layer)
-            _check_bits(f"value bits of layer {layer}", bits, allow_none=True)
+        for field_name, is_key in (("layer_key_bits", True), ("layer_value_bits", False)):
+            layers = [layer for layer, _ in getattr(self, field_name)]
+            if len(set(layers)) != len(layers):
+                raise ConfigFieldError(field_name, f"{field_name} lists a layer twice: {layers}")
+            for layer, bits in getattr(self, field_name):
+                _check_count(f"layer index in {field_name}", layer, field_name, "layer")
+                _check_bits(
+                    f"{'key' if is_key else 'value'} bits of layer {layer}",
+                    bits,
+                    allow_none=not is_key,
+                    minimum=key_minimum if is_key else MIN_BITS,
+                    field=field_name,
+                )
         if self.rotation is not None and self.rotation not in ROTATIONS:
-            raise ValueError(f"rotation must be one of {ROTATIONS} or None, got {self.rotation!r}")
+            raise ConfigFieldError(
+                "rotation", f"rotation must be one of {ROTATIONS} or None, got {self.rotation!r}"
+            )
         if self.qjl_sketch not in QJL_SKETCHES:
-            raise ValueError(f"qjl_sketch must be one of {QJL_SKETCHES}, got {self.qjl_sketch!r}")
+            raise ConfigFieldError(
+                "qjl_sketch", f"qjl_sketch must be one of {QJL_SKETCHES}, got {self.qjl_sketch!r}"
+            )
         if self.qjl_dim is not None:
             _check_count("qjl_dim", self.qjl_dim)
             if self.qjl_dim == 0:
-                raise ValueError("qjl_dim must be >= 1 (or None for m = d)")
+                raise ConfigFieldError("qjl_dim", "qjl_dim must be >= 1 (or None for m = d)")
             if not self.is_prod:
-                raise ValueError(f"qjl_dim applies to the -prod methods only, not {self.method}")
+                raise ConfigFieldError(
+                    "qjl_dim", f"qjl_dim applies to the -prod methods only, not {self.method}"
+                )
         if self.codebook_law not in CODEBOOK_LAWS:
-            raise ValueError(
-                f"codebook_law must be one of {CODEBOOK_LAWS}, got {self.codebook_law!r}"
+            raise ConfigFieldError(
+                "codebook_law",
+                f"codebook_law must be one of {CODEBOOK_LAWS}, got {self.codebook_law!r}",
             )
         if self.norm_mantissa is not None:
             _check_count("norm_mantissa", self.norm_mantissa)
             if not 1 <= self.norm_mantissa <= 10:
-                raise ValueError(f"norm_mantissa must be in 1..10, got {self.norm_mantissa!r}")
+                raise ConfigFieldError(
+                    "norm_mantissa", f"norm_mantissa must be in 1..10, got {self.norm_mantissa!r}"
+                )
         for name in ("n_sink", "recent_window", "key_outliers", "value_outliers", "seed"):
             _check_count(name, getattr(self, name))
         if self.band_bits is not None:
             _check_bits("band_bits", self.band_bits, allow_none=False)
             if not self.recent_window:
-                raise ValueError("band_bits (wb=) sets the precision of the recent band: add winN")
-        if self.outlier_extra_bits < 1:
-            raise ValueError(f"outlier_extra_bits must be >= 1, got {self.outlier_extra_bits!r}")
+                raise ConfigFieldError(
+                    "band_bits", "band_bits (wb=) sets the precision of the recent band: add winN"
+                )
+        _check_count("outlier_extra_bits", self.outlier_extra_bits)
+        if not 1 <= self.outlier_extra_bits < MAX_BITS:
+            raise ConfigFieldError(
+                "outlier_extra_bits",
+                f"outlier_extra_bits must be in 1..{MAX_BITS - 1}, got {self.outlier_extra_bits!r}",
+            )
         if self.key_outliers:
             _check_bits(
                 "key bits of the outlier channels",
                 self.max_key_bits + self.outlier_extra_bits,
                 allow_none=False,
+                field="outlier_extra_bits",
             )
         if self.scale_values and self.value_bits is None and not self.layer_value_bits:
-            raise ValueError("scale_values needs compressed values (value_bits is None)")
+            raise ConfigFieldError(
+                "scale_values", "scale_values needs compressed values (value_bits is None)"
+            )
         if self.value_outliers:
             if self.value_bits is None and not self.layer_value_bits:
-                raise ValueError("value_outliers needs compressed values (value_bits is None)")
+                raise ConfigFieldError(
+                    "value_outliers", "value_outliers needs compressed values (value_bits is None)"
+                )
             _check_bits(
                 "value bits of the outlier channels",
                 self.max_value_bits + self.outlier_extra_bits,
                 allow_none=False,
+                field="outlier_extra_bits",
             )
         if not all(
             isinstance(layer, int) and not isinstance(layer, bool) for layer in self.exact_layers
         ):
-            raise ValueError(f"exact_layers must be ints, got {self.exact_layers!r}")
+            raise ConfigFieldError(
+                "exact_layers", f"exact_layers must be ints, got {self.exact_layers!r}"
+            )
+        if len(set(self.exact_layers)) != len(self.exact_layers):
+            raise ConfigFieldError(
+                "exact_layers", f"exact_layers lists a layer twice: {list(self.exact_layers)}"
+            )
+        for layer in self.exact_layers:
+            if abs(layer) > LIMITS["layer"]:
+                raise ConfigFieldError(
+                    "exact_layers",
+                    f"exact layer {layer} is out of range (|layer| <= {LIMITS['layer']})",
+                )
         if self.norm_correction and self.is_prod:
-            raise ValueError(
+            raise ConfigFieldError(
+                "norm_correction",
                 "norm_correction rescales the MSE reconstruction, which would invalidate the QJL "
-                "residual of the -prod methods; use it with an -mse method"
+                "residual of the -prod methods; use it with an -mse method",
+            )
+        if self.calibration_corpus not in CORPORA:
+            raise ConfigFieldError(
+                "calibration_corpus",
+                f"calibration_corpus must be one of {CORPORA}, got {self.calibration_corpus!r}",
             )
         if self.calibration_corpus == "wikitext-2":
-            raise ValueError("calibration must not use the evaluation corpus wikitext-2")
-        if self.budget is not None:
-            if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-                raise ValueError(f"budget must be a number of bits, got {self.budget!r}")
-            if not 0 < self.budget < 16:
-                raise ValueError(f"budget must be in (0, 16) bits, got {self.budget!r}")
-            if self.is_prod:
-                raise ValueError("alloc= (a bit budget) is implemented for the -mse methods only")
-            if self.value_bits is None:
-                raise ValueError("alloc= allocates key and value bits: compress values too (v3)")
+            raise ConfigFieldError(
+                "calibration_corpus", "calibration must not use the evaluation corpus wikitext-2"
+            )
+        _check_count("calibration_tokens", self.calibration_tokens)
         if self.calibration_tokens < 16:
-            raise ValueError(f"calibration_tokens must be >= 16, got {self.calibration_tokens!r}")
+            raise ConfigFieldError(
+                "calibration_tokens",
+                f"calibration_tokens must be >= 16, got {self.calibration_tokens!r}",
+            )
+        if self.budget is not None:
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        """A budget chooses every layer's bits: refuse what it could not honour."""
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise ConfigFieldError("budget", f"budget must be a number of bits, got {budget!r}")
+        if not 0 < budget < 16:  # also refuses nan and inf
+            raise ConfigFieldError("budget", f"budget must be in (0, 16) bits, got {budget!r}")
+        if self.is_prod:
+            raise ConfigFieldError(
+                "budget", "alloc= (a bit budget) is implemented for the -mse methods only"
+            )
+        if self.value_bits is None:
+            raise ConfigFieldError(
+                "value_bits", "alloc= allocates key and value bits: compress values too (not v=fp)"
+            )
+        for field_name in ("layer_key_bits", "layer_value_bits", "exact_layers"):
+            if getattr(self, field_name):
+                raise ConfigFieldError(
+                    field_name,
+                    "alloc= chooses every layer's bits, so it cannot honour per-layer bits or "
+                    "exact layers given with it; drop one or the other",
+                )
+        for field_name in ("key_bits", "value_bits"):
+            if getattr(self, field_name) != BUDGET_START_BITS:
+                raise ConfigFieldError(
+                    field_name,
+                    f"alloc= chooses every layer's bits, so uniform {field_name} "
+                    f"{getattr(self, field_name)} would be ignored; drop it",
+                )
 
     # ---- derived properties ------------------------------------------------------------------
     @property
@@ -273,7 +394,14 @@ class CompressionConfig:
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> CompressionConfig:
-        """A copy with ``changes`` applied (validated again)."""
+        """A copy with ``changes`` applied (validated again).
+
+        The copy keeps this config's ``name`` only if the changes leave every field equal (or
+        pass a new ``name``): a changed config never carries the label of the spec it came from.
+        """
+        if "name" not in changes:
+            changed = dataclasses.replace(self, **changes)
+            return changed if changed == self else dataclasses.replace(changed, name=None)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -300,17 +428,21 @@ class CompressionConfig:
                 )
             base = None
             tokens = parts[1:]
-        changes: dict[str, Any] = {} if base is not None else {"method": parts[0]}
-        layer_keys = dict(base.layer_key_bits) if base else {}
-        layer_values = dict(base.layer_value_bits) if base else {}
+        tokens_read = _Tokens(spec, base)
         for token in tokens:
-            _apply_token(token, spec, changes, layer_keys, layer_values)
-        changes["layer_key_bits"] = tuple(sorted(layer_keys.items()))
-        changes["layer_value_bits"] = tuple(sorted(layer_values.items()))
+            tokens_read.apply(token)
+        changes = tokens_read.changes
+        if base is None:
+            changes["method"] = parts[0]
+            if "budget" in changes and "value_bits" not in changes:
+                changes["value_bits"] = BUDGET_START_BITS  # a budget compresses values
+        changes["layer_key_bits"] = tuple(sorted(tokens_read.layer_keys.items()))
+        changes["layer_value_bits"] = tuple(sorted(tokens_read.layer_values.items()))
         changes["name"] = spec.strip()
-        if base is not None:
-            return base.replace(**changes)
-        return cls(**changes)
+        try:
+            return base.replace(**changes) if base is not None else cls(**changes)
+        except ConfigFieldError as error:
+            raise tokens_read.named(error) from None
 
     def spec(self) -> str:
         """The canonical compact spec of this config (parses back to an equal config)."""
@@ -414,66 +546,117 @@ def _int(token: str, text: str, spec: str) -> int:
         ) from None
 
 
-def _apply_token(
-    token: str,
-    spec: str,
-    changes: dict[str, Any],
-    layer_keys: dict[int, int],
-    layer_values: dict[int, int | None],
-) -> None:
-    """Fold one spec token into ``changes`` (or the per-layer bit tables)."""
-    if token in _FLAGS:
-        key, value = _FLAGS[token]
-        changes[key] = value
-        return
-    match = _SHORT.match(token)
-    if match:
-        name, number = match.group(1), int(match.group(2))
-        if name == "b":
-            changes["key_bits"] = changes["value_bits"] = number
-        elif name == "out":
-            changes["key_outliers"] = changes["value_outliers"] = number
-        else:
-            changes[_KEYED[name]] = number
-        return
-    match = _LAYER_BITS.match(token)
-    if match:
-        which, first, last, bits_text = match.groups()
-        last = last if last is not None else first
-        bits = None if bits_text == "fp" else int(bits_text)
-        if which == "k" and bits is None:
-            raise ValueError(f"token {token!r} in spec {spec!r}: keys cannot be 'fp' (use exact=)")
-        if int(last) < int(first):
-            raise ValueError(f"token {token!r} in spec {spec!r}: empty layer range")
-        for layer in range(int(first), int(last) + 1):
-            (layer_keys if which == "k" else layer_values)[layer] = bits
-        return
-    if "=" in token:
-        name, text = token.split("=", 1)
-        if name == "exact":
-            changes["exact_layers"] = (
-                () if text == "none" else tuple(_int(token, item, spec) for item in text.split(","))
+class _Tokens:
+    """The tokens of one spec read into field changes, each field set by one token only.
+
+    ``origin`` remembers which token set which field, so that a value out of range is reported
+    with the token that gave it, and a field set twice (``k3:k4``, ``b3:k4``, ``ctr:ctr``,
+    overlapping layer ranges) is refused instead of silently taking the last value.
+    """
+
+    def __init__(self, spec: str, base: CompressionConfig | None) -> None:
+        self.spec = spec
+        self.changes: dict[str, Any] = {}
+        self.layer_keys = dict(base.layer_key_bits) if base else {}
+        self.layer_values = dict(base.layer_value_bits) if base else {}
+        self.origin: dict[str, str] = {}
+        self.layer_origin: dict[tuple[str, int], str] = {}
+
+    def _error(self, token: str, message: str) -> ValueError:
+        return ValueError(f"token {token!r} in spec {self.spec!r}: {message}")
+
+    def named(self, error: ConfigFieldError) -> ConfigFieldError:
+        """``error`` with the token that set its field (or the whole spec) in front."""
+        token = self.origin.get(error.field)
+        if token is None and error.field in ("layer_key_bits", "layer_value_bits"):
+            which = "k" if error.field == "layer_key_bits" else "v"
+            tokens = sorted({t for (w, _), t in self.layer_origin.items() if w == which})
+            token = ", ".join(tokens) if tokens else None
+        where = f"token {token!r} in spec" if token else "spec"
+        return ConfigFieldError(error.field, f"{where} {self.spec!r}: {error}")
+
+    def set(self, token: str, field_name: str, value: Any) -> None:
+        if field_name in self.origin:
+            raise self._error(
+                token,
+                f"sets {field_name} again (already set by {self.origin[field_name]!r}); "
+                "give each setting once",
             )
+        self.origin[field_name] = token
+        self.changes[field_name] = value
+
+    def set_layers(self, token: str, which: str, first: int, last: int, bits: int | None):
+        if last < first:
+            raise self._error(token, "empty layer range")
+        if last > LIMITS["layer"]:
+            raise self._error(token, f"layer {last} is out of range (at most {LIMITS['layer']})")
+        table = self.layer_keys if which == "k" else self.layer_values
+        for layer in range(first, last + 1):
+            previous = self.layer_origin.get((which, layer))
+            if previous is not None:
+                kind = "key" if which == "k" else "value"
+                raise self._error(
+                    token,
+                    f"sets the {kind} bits of layer {layer} again (already set by {previous!r})",
+                )
+            self.layer_origin[(which, layer)] = token
+            table[layer] = bits
+
+    def apply(self, token: str) -> None:
+        """Fold one token into the changes (or the per-layer bit tables)."""
+        spec = self.spec
+        if not token:
+            raise ValueError(f"spec {spec!r} has an empty token (two ':' in a row, or a last ':')")
+        if token in _FLAGS:
+            self.set(token, *_FLAGS[token])
             return
-        if name == "v" and text == "fp":
-            changes["value_bits"] = None
+        match = _SHORT.match(token)
+        if match:
+            name, number = match.group(1), int(match.group(2))
+            if name == "b":
+                self.set(token, "key_bits", number)
+                self.set(token, "value_bits", number)
+            elif name == "out":
+                self.set(token, "key_outliers", number)
+                self.set(token, "value_outliers", number)
+            else:
+                self.set(token, _KEYED[name], number)
             return
-        if name == "alloc":
-            try:
-                changes["budget"] = float(text)
-            except ValueError:
-                raise ValueError(
-                    f"token {token!r} in spec {spec!r} needs a number of bits, got {text!r}"
-                ) from None
+        match = _LAYER_BITS.match(token)
+        if match:
+            which, first, last, bits_text = match.groups()
+            last = last if last is not None else first
+            bits = None if bits_text == "fp" else int(bits_text)
+            if which == "k" and bits is None:
+                raise self._error(token, "keys cannot be 'fp' (use exact=)")
+            self.set_layers(token, which, int(first), int(last), bits)
             return
-        if name in _KEYED:
-            key = _KEYED[name]
-            changes[key] = _int(token, text, spec) if key in _INT_FIELDS | {"value_bits"} else text
-            return
-    raise ValueError(
-        f"unknown token {token!r} in spec {spec!r}; "
-        "see `python -m rqlib eval --help` for the syntax"
-    )
+        if "=" in token:
+            name, text = token.split("=", 1)
+            if name == "exact":
+                items = [] if text == "none" else text.split(",")
+                layers = tuple(_int(token, item, spec) for item in items)
+                self.set(token, "exact_layers", layers)
+                return
+            if name == "v" and text == "fp":
+                self.set(token, "value_bits", None)
+                return
+            if name == "alloc":
+                try:
+                    budget = float(text)
+                except ValueError:
+                    raise self._error(token, f"needs a number of bits, got {text!r}") from None
+                self.set(token, "budget", budget)
+                return
+            if name in _KEYED:
+                key = _KEYED[name]
+                value = _int(token, text, spec) if key in _INT_FIELDS | {"value_bits"} else text
+                self.set(token, key, value)
+                return
+        raise ValueError(
+            f"unknown token {token!r} in spec {spec!r}; "
+            "see `python -m rqlib eval --help` for the syntax"
+        )
 
 
 def get_preset(name: str) -> CompressionConfig:

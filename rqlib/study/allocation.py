@@ -16,12 +16,15 @@ which :func:`allocate` solves exactly by dynamic programming over the integer nu
 bits per vector. :func:`resolve` turns a config with a budget (spec token ``alloc=3.5``) into a
 concrete one for a given model: the sensitivity table is read from the tables shipped with
 rqlib (``rqlib/study/allocations/``, measured with the command below), from the user cache, or
-measured on the spot and cached.
+measured on the spot and cached. A table is found by the signature of the weights it was
+measured on (:mod:`rqlib.hf.weights`): the same model loaded in fp32, fp16 or bf16 finds it, a
+model whose weights changed does not. A budget below the cheapest allocation is refused before
+anything is measured (:func:`check_budget`).
 
 ::
 
     python -m rqlib allocate --model smollm2-135m --budget 3.5 3 2.5 \\
-        --json rqlib/study/allocations/smollm2-135m.json
+        --json rqlib/study/allocations/smollm2-135m.json --force
 
 Without ``--base`` the table is measured for the presets of :mod:`rqlib.spec.presets` (their
 storage format, bits aside), so that ``resolve`` finds it for them.
@@ -41,8 +44,10 @@ from pathlib import Path
 import torch
 
 from rqlib.base.corpora import load_corpus, tokenize_corpus
+from rqlib.base.files import CorruptFileError, atomic_write_text, file_lock, read_json
 from rqlib.base.paths import cache_dir
 from rqlib.hf.models import load_model
+from rqlib.hf.weights import signature_digest, signatures_match, weight_signature
 from rqlib.spec.bits import average_bits, codec_bits
 from rqlib.spec.config import CompressionConfig, get_preset
 from rqlib.spec.geometry import model_geometry
@@ -53,9 +58,12 @@ __all__ = [
     "KINDS",
     "Sensitivity",
     "allocate",
+    "check_budget",
+    "find_sensitivity",
     "measure_sensitivity",
-    "model_fingerprint",
+    "refingerprint_table",
     "resolve",
+    "with_budget",
 ]
 
 KINDS = ("key", "value")
@@ -67,30 +75,18 @@ NEAR_EXACT_KEY_BITS = 8
 SHIPPED = Path(__file__).resolve().parent / "allocations"
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of a model's geometry and of a slice of its weights (its identity)."""
-    config = model.config.get_text_config(decoder=True)
-    digest = hashlib.sha256()
-    for name in ("model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads"):
-        digest.update(f"{name}={getattr(config, name, None)};".encode())
-    embedding = model.get_input_embeddings().weight
-    digest.update(embedding[:8].detach().float().cpu().numpy().tobytes())
-    last = list(model.parameters())[-1]
-    digest.update(last.reshape(-1)[:256].detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 @dataclass(frozen=True)
 class Sensitivity:
     """``kl[(kind, layer, bits)]``: mean KL with only that item compressed at ``bits``.
 
     ``base`` is the spec the items were compressed with (its per-layer bits ignored),
-    ``fingerprint`` identifies the model (:func:`model_fingerprint`), ``corpus`` is the
-    provenance of the measuring text, ``tokens``/``offset`` which of its tokens were used.
+    ``fingerprint`` identifies the model's weights in any dtype
+    (:func:`rqlib.hf.weights.weight_signature`), ``corpus`` is the provenance of the measuring
+    text, ``tokens``/``offset`` which of its tokens were used.
     """
 
     base: str
-    fingerprint: str
+    fingerprint: dict
     n_layers: int
     corpus: dict
     tokens: int
@@ -129,16 +125,32 @@ class Sensitivity:
 
     @classmethod
     def from_dict(cls, data: dict) -> Sensitivity:
-        kl = {(r["kind"], int(r["layer"]), int(r["bits"])): float(r["kl"]) for r in data["rows"]}
-        return cls(
-            data["base"],
-            data["fingerprint"],
-            int(data["n_layers"]),
-            data["corpus"],
-            int(data["tokens"]),
-            int(data["offset"]),
-            kl,
-        )
+        """Read :meth:`to_dict` output; ``ValueError`` naming what is missing or malformed."""
+        try:
+            kl = {
+                (r["kind"], int(r["layer"]), int(r["bits"])): float(r["kl"]) for r in data["rows"]
+            }
+            return cls(
+                data["base"],
+                data["fingerprint"],
+                int(data["n_layers"]),
+                data["corpus"],
+                int(data["tokens"]),
+                int(data["offset"]),
+                kl,
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not a sensitivity table ({type(error).__name__}: {error})") from None
+
+    @classmethod
+    def read(cls, path: Path) -> Sensitivity:
+        """The table in ``path``; :class:`rqlib.base.files.CorruptFileError` naming the file if
+        it is truncated or not a table."""
+        data = read_json(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise CorruptFileError(path, str(error)) from None
 
 
 def _uniform(config: CompressionConfig) -> CompressionConfig:
@@ -240,7 +252,7 @@ def measure_sensitivity(
     kl = {item: result.kl for (item, _), result in zip(plan, results[1:])}
     return Sensitivity(
         base.spec(),
-        model_fingerprint(model),
+        weight_signature(model),
         n_layers,
         corpus.provenance(),
         int(ids.numel()),
@@ -356,24 +368,69 @@ def _knapsack(choices: list[list[tuple[int, float, int]]], capacity: int) -> lis
     return labels[::-1]
 
 
-def _cached_path(fingerprint: str, base: CompressionConfig) -> Path:
-    """Where a measured table for this model and base lives in the user cache."""
+def check_budget(config: CompressionConfig, model_config, context: int = 4096) -> None:
+    """Refuse a budget below the cheapest allocation (every layer at the fewest bits a table
+    offers) for this model, before anything is measured; ``ValueError`` saying both numbers."""
+    if config.budget is None:
+        return
+    cheapest = _uniform(config).replace(key_bits=min(KEY_BITS), value_bits=min(VALUE_BITS))
+    floor = average_bits(cheapest, model_config, context)["mean"]
+    if config.budget < floor:
+        raise ValueError(
+            f"{config.label}: budget {config.budget:g} bits is below the cheapest allocation for "
+            f"this model ({floor:.3f} bits: keys at {min(KEY_BITS)} and values at "
+            f"{min(VALUE_BITS)} bits in every layer, at a context of {context} tokens)"
+        )
+
+
+def _cache_folder() -> Path:
+    return cache_dir() / "allocations"
+
+
+def _cache_stem(signature: dict, base: CompressionConfig) -> str:
+    """The file-name stem of the cached tables for a model geometry and base config."""
     spec_hash = hashlib.sha256(base.spec().encode()).hexdigest()[:12]
-    return cache_dir() / "allocations" / f"sensitivity-{fingerprint}-{spec_hash}.json"
+    return f"sensitivity-{signature_digest(signature)}-{spec_hash}"
+
+
+def _cached_path(signature: dict, base: CompressionConfig) -> Path:
+    """Where a measured table for these weights and base lives in the user cache."""
+    weights = json.dumps(signature["tensors"], sort_keys=True).encode()
+    return _cache_folder() / (
+        f"{_cache_stem(signature, base)}-{hashlib.sha256(weights).hexdigest()[:12]}.json"
+    )
+
+
+def _read_cached(path: Path) -> Sensitivity | None:
+    """A cached table, or None after reporting (and removing) a corrupt one: it is a cache, so
+    it is measured again."""
+    try:
+        return Sensitivity.read(path)
+    except CorruptFileError as error:
+        print(f"rqlib.study.allocation: {error}; removing it (measured again)", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
 
 
 def find_sensitivity(model: torch.nn.Module, config: CompressionConfig) -> Sensitivity | None:
-    """The stored table for this model and base config: shipped with rqlib, else user cache."""
-    fingerprint = model_fingerprint(model)
-    base = _base_of(config)
-    candidates = sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []
-    candidates.append(_cached_path(fingerprint, base))
-    for path in candidates:
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
-        if data.get("fingerprint") == fingerprint and data.get("base") == base.spec():
-            return Sensitivity.from_dict(data)
+    """The stored table for this model's weights (in any dtype) and base config: shipped with
+    rqlib, else in the user cache; None when there is none.
+
+    A shipped table that does not parse raises :class:`rqlib.base.files.CorruptFileError`
+    naming it; a corrupt cached table is reported on stderr, removed and ignored.
+    """
+    signature = weight_signature(model)
+    base = _base_of(config).spec()
+    shipped = sorted(SHIPPED.glob("*.json")) if SHIPPED.is_dir() else []
+    cached = sorted(_cache_folder().glob(f"{_cache_stem(signature, _base_of(config))}-*.json"))
+    for path in shipped + cached:
+        table = Sensitivity.read(path) if path in shipped else _read_cached(path)
+        if (
+            table is not None
+            and table.base == base
+            and signatures_match(table.fingerprint, signature)
+        ):
+            return table
     return None
 
 
@@ -388,29 +445,58 @@ def resolve(
     """``config`` (or a spec string) with its budget turned into per-layer bits for ``model``
     (a config without a budget is returned unchanged).
 
-    The sensitivity table is looked up with :func:`find_sensitivity`; if there is none it is
-    measured (announced on stderr: it costs a few hundred forward passes) and cached.
+    An impossible budget is refused first (:func:`check_budget`). The sensitivity table is
+    looked up with :func:`find_sensitivity`; if there is none it is measured (announced on
+    stderr: it costs a few hundred forward passes) and cached, under a lock so that two
+    processes do not both measure it, written atomically so that none reads half of it.
     """
     if isinstance(config, str):
         config = CompressionConfig.parse(config)
     if config.budget is None:
         return config
+    check_budget(config, model.config, context)
     sensitivity = find_sensitivity(model, config)
     if sensitivity is None:
         base = _base_of(config)
-        n_layers = model_geometry(model).layers
-        passes = n_layers * (len(KEY_BITS) + len(VALUE_BITS))
-        print(
-            f"rqlib.study.allocation: no sensitivity table for this model and {base.spec()};"
-            f" measuring it on {config.calibration_corpus} ({passes} forward passes, cached)",
-            file=sys.stderr,
-        )
-        sensitivity = measure_sensitivity(model, tokenizer, config, progress=progress)
-        path = _cached_path(sensitivity.fingerprint, base)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(sensitivity.to_dict(), indent=1))
+        signature = weight_signature(model)
+        with file_lock(_cache_folder() / f".{_cache_stem(signature, base)}.lock"):
+            sensitivity = find_sensitivity(model, config)  # another process may have measured
+            if sensitivity is None:
+                n_layers = model_geometry(model).layers
+                passes = n_layers * (len(KEY_BITS) + len(VALUE_BITS))
+                print(
+                    f"rqlib.study.allocation: no sensitivity table for this model and "
+                    f"{base.spec()}; measuring it on {config.calibration_corpus} ({passes} "
+                    "forward passes, cached)",
+                    file=sys.stderr,
+                )
+                sensitivity = measure_sensitivity(model, tokenizer, config, progress=progress)
+                atomic_write_text(
+                    _cached_path(signature, base), json.dumps(sensitivity.to_dict(), indent=1)
+                )
     resolved = allocate(sensitivity, config, model.config, context)
     return resolved.replace(name=config.name)
+
+
+def refingerprint_table(path: Path | str, model: torch.nn.Module) -> Path:
+    """Replace the fingerprint of the table in ``path`` by ``model``'s weight signature (when
+    the fingerprint scheme changes; the measurements are kept). The caller vouches that the
+    table was measured on this model; its layer count is checked. Written atomically."""
+    path = Path(path)
+    data = read_json(path)
+    table = Sensitivity.from_dict(data)
+    if table.n_layers != model_geometry(model).layers:
+        raise ValueError(
+            f"{path} is for {table.n_layers} layers, the model has {model_geometry(model).layers}"
+        )
+    data["fingerprint"] = weight_signature(model)
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def with_budget(base: CompressionConfig, budget: float) -> CompressionConfig:
+    """``base``'s storage format with a bit budget (its bits reset to the uniform start)."""
+    return _uniform(base).replace(budget=budget)
 
 
 def presets_base() -> CompressionConfig:
@@ -425,13 +511,15 @@ def measure_table(
     tokens: int = 1024,
     command: str | None = None,
     progress: bool = True,
+    loaded: tuple | None = None,
 ) -> tuple[Sensitivity, dict]:
     """Measure ``model_name``'s sensitivity table for ``base`` (default: the presets' format).
 
+    ``loaded`` is ``(model, tokenizer)`` when the caller has loaded ``model_name`` already.
     Returns the table and its JSON payload (the table, the model, the command and the time).
     """
     started = time.time()
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name) if loaded is None else loaded
     base = presets_base() if base is None else base
     sensitivity = measure_sensitivity(model, tokenizer, base, tokens=tokens, progress=progress)
     payload = sensitivity.to_dict()

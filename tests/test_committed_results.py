@@ -1,0 +1,55 @@
+"""What is committed under results/ (and the shipped allocation tables) says nothing about the
+machine it was made on, and the chapter sweeps hold no run from a dirty tree."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rqlib.base.paths import CHECKOUT
+
+MACHINE_PATH = re.compile(r'"(/(?:work|home|root|tmp|Users|mnt|var)/[^"]*)"')
+
+
+def tracked(*patterns: str) -> list[Path]:
+    listing = subprocess.run(
+        ["git", "ls-files", "--", *patterns],
+        cwd=CHECKOUT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return [CHECKOUT / name for name in listing]
+
+
+def test_committed_results_name_no_machine_path():
+    paths = tracked("results/*.json", "results/**/*.json", "rqlib/study/allocations/*.json")
+    assert paths, "no committed results found"
+    found = {
+        str(path.relative_to(CHECKOUT)): match.group(1)
+        for path in paths
+        for match in [MACHINE_PATH.search(path.read_text())]
+        if match
+    }
+    assert not found, f"absolute machine paths in committed results: {found}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the committed chapter-4 sweep predates the dirty marking; it is regenerated with "
+    "the command chapter 5 shows",
+)
+def test_committed_sweeps_hold_no_run_from_a_dirty_tree():
+    runs = tracked("results/*/*.json")
+    assert runs, "no committed sweep runs found"
+    dirty = [
+        str(path.relative_to(CHECKOUT))
+        for path in runs
+        if str(json.loads(path.read_text())["provenance"].get("commit", "")).endswith("-dirty")
+        or path.name.endswith(".dirty.json")
+    ]
+    assert not dirty, f"runs from a dirty tree are committed: {dirty}"
