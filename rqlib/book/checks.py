@@ -29,11 +29,15 @@ from rqlib.core.quantizers import make_quantizer
 __all__ = [
     "ClaimError",
     "Interval",
+    "SlopeDraws",
+    "channel_rms",
     "claim",
     "correlated_pairs",
     "either",
     "estimator_slopes",
     "mean_interval",
+    "outlier_ratio",
+    "random_unit_vectors",
     "relative_error",
 ]
 
@@ -100,6 +104,12 @@ def mean_interval(samples: np.ndarray | list[float], confidence: float = 0.99) -
     return Interval(mean, mean - half, mean + half, confidence, int(values.size))
 
 
+def random_unit_vectors(n: int, d: int, generator: torch.Generator) -> torch.Tensor:
+    """``n`` independent uniformly random unit vectors in ``R^d`` (normalized Gaussians)."""
+    g = torch.randn(n, d, generator=generator)
+    return g / g.norm(dim=-1, keepdim=True)
+
+
 def correlated_pairs(
     n: int, d: int, generator: torch.Generator, max_correlation: float = 0.9
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +132,19 @@ def correlated_pairs(
     return q.float(), k.float()
 
 
+@dataclass(frozen=True)
+class SlopeDraws:
+    """The estimates of one estimator over fixed pairs, for many independent draws of it."""
+
+    truth: np.ndarray  # [pairs] <q, k>
+    mean_estimate: np.ndarray  # [pairs] the estimate averaged over the draws
+    slopes: np.ndarray  # [draws] one least-squares slope through the origin per draw
+
+    def interval(self, confidence: float = 0.99) -> Interval:
+        """The mean slope with its Student-t interval (the draws are independent)."""
+        return mean_interval(self.slopes, confidence)
+
+
 def estimator_slopes(
     method: str,
     bits: int,
@@ -131,10 +154,10 @@ def estimator_slopes(
     *,
     first_seed: int = 0,
     **options,
-) -> np.ndarray:
-    """One least-squares slope (through the origin) of ``Quantizer.inner_product`` on the truth
-    ``<q, k>`` over the fixed pairs, for each of ``draws`` independent quantizers
-    (``make_quantizer(method, d, bits, seed=first_seed + i, **options)``).
+) -> SlopeDraws:
+    """``Quantizer.inner_product`` over the fixed pairs for ``draws`` independent quantizers
+    (``make_quantizer(method, d, bits, seed=first_seed + i, **options)``): per draw, the
+    least-squares slope through the origin of the estimate on the truth ``<q, k>``.
 
     The slopes are independent and identically distributed; their expectation is the
     estimator's slope averaged over its randomness (``1 - D`` for ``-mse``, 1 for ``-prod``).
@@ -151,11 +174,13 @@ def estimator_slopes(
     if energy == 0.0:
         raise ValueError("every pair has <q, k> = 0: the slope is undefined")
     slopes = np.empty(draws)
+    total = torch.zeros_like(truth)
     for i in range(draws):
         quantizer = make_quantizer(method, keys.shape[-1], bits, seed=first_seed + i, **options)
         estimate = quantizer.inner_product(queries, quantizer.quantize(keys)).double()
         slopes[i] = float((estimate * truth).sum()) / energy
-    return slopes
+        total += estimate
+    return SlopeDraws(truth.numpy(), (total / draws).numpy(), slopes)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -167,3 +192,14 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if scale == 0:
         raise ValueError("the reference is all zeros: a relative error is undefined")
     return float((out.double() - ref.double()).abs().max() / scale)
+
+
+def channel_rms(keys: torch.Tensor) -> torch.Tensor:
+    """Root-mean-square of each channel of ``keys [..., channels]`` over everything else."""
+    return keys.double().pow(2).reshape(-1, keys.shape[-1]).mean(dim=0).sqrt()
+
+
+def outlier_ratio(keys: torch.Tensor) -> float:
+    """The largest channel RMS over the median channel RMS of ``keys [..., channels]``."""
+    rms = channel_rms(keys)
+    return float(rms.max() / rms.median())
