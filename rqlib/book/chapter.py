@@ -18,6 +18,7 @@ Every chapter starts with ``run = Chapter("04_perplexity", globals())`` right af
 from __future__ import annotations
 
 import ast
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,13 +27,27 @@ from typing import Any
 from rqlib.base.paths import repo_root
 from rqlib.book.results import glue_metrics, save_result
 
-__all__ = ["Chapter", "chapter_path", "format_duration", "gpu_needs", "parameter_specs"]
+__all__ = [
+    "Chapter",
+    "chapter_path",
+    "format_duration",
+    "gpu_needs",
+    "parameter_specs",
+    "slug",
+]
 
 #: Parameters of hub models named by the GPU parameter files, from their model cards: what
 #: their weights occupy in fp32 (``rqlib.hf.models.load_model`` loads fp32 by default).
 HUB_MODEL_PARAMETERS = {"Qwen/Qwen2.5-3B-Instruct": 3.09e9}
 
 _SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def slug(*parts: object) -> str:
+    """A glue name made of ``parts``: lower case, each run of other characters one ``_``
+    (``slug("turboquant-prod (gaussian)", "kl")`` is ``"turboquant_prod_gaussian_kl"``)."""
+    text = "_".join(str(part) for part in parts).lower()
+    return re.sub(r"[^a-z0-9]+", "_", text).strip("_")
 
 
 def chapter_path(name: str) -> Path:
