@@ -42,11 +42,15 @@ def styled(
 
 
 def with_spec_notes(
-    frame: pd.DataFrame, column: str = "spec", *, header: str = "spec"
+    frame: pd.DataFrame,
+    column: str = "spec",
+    *,
+    header: str = "spec",
+    title: str = "Specs of the table (`python -m rqlib eval --method SPEC`):",
 ) -> tuple[pd.DataFrame, Markdown]:
-    """Replace the specs in ``column`` by references ``[1]``, ``[2]``, ... (one per distinct
-    spec, in order of appearance) in a column named ``header``, and return the specs as a
-    numbered Markdown list to show under the table."""
+    """Replace the long texts (specs, commands) in ``column`` by references ``[1]``, ``[2]``,
+    ... (one per distinct text, in order of appearance) in a column named ``header``, and
+    return them as a numbered Markdown list under ``title``, to show under the table."""
     if column not in frame.columns:
         raise KeyError(f"the table has no column {column!r}")
     numbers: dict[str, int] = {}
@@ -57,4 +61,4 @@ def with_spec_notes(
         **{header: [f"[{numbers[s]}]" if isinstance(s, str) else "" for s in frame[column]]}
     )
     notes = "\n".join(f"{n}. `{spec}`" for spec, n in numbers.items())
-    return shown, Markdown(f"Specs of the table (`python -m rqlib eval --method SPEC`):\n\n{notes}")
+    return shown, Markdown(f"{title}\n\n{notes}")
