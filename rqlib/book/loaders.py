@@ -31,6 +31,7 @@ __all__ = [
     "recorded_command",
     "seed_spread",
     "shipped_allocation",
+    "sweep_command",
     "top_levers",
 ]
 
@@ -280,3 +281,27 @@ def shipped_allocation(model: str):
         raise FileNotFoundError(f"no sensitivity table ships for {model!r}: {path} does not exist")
     table = Sensitivity.from_dict(json.loads(path.read_text()))
     return table, AutoConfig.from_pretrained(converted_model_dir(model))
+
+
+def sweep_command(runs: pd.DataFrame, chapter: str) -> tuple[str, dict]:
+    """The ``python -m rqlib sweep`` command that reproduces ``runs`` (a frame of
+    :func:`rqlib.book.results.collect`): the parameters that vary between runs become ``-p``
+    options, those equal in every run but different from the chapter's defaults the fixed
+    parameters of a ``-f`` file. Returns ``(command, fixed)``."""
+    from rqlib.book.chapter import parameter_specs
+
+    specs = parameter_specs(chapter)
+    swept = [name for name in specs if name != "run_id" and name in runs.columns]
+    varying, fixed = {}, {}
+    for name in swept:
+        values = runs[name].map(lambda v: tuple(v) if isinstance(v, list) else v)
+        if values.nunique() > 1:
+            varying[name] = sorted(values.unique().tolist())
+            continue
+        value = runs[name].iloc[0]
+        value = value.item() if hasattr(value, "item") else value
+        if value != specs[name]["default"]:
+            fixed[name] = value
+    options = " ".join(f"-p {n} {' '.join(map(str, v))}" for n, v in varying.items())
+    file_option = " -f sweep-params.yaml" if fixed else ""
+    return f"python -m rqlib sweep notebooks/{chapter}.ipynb {options}{file_option}", fixed
