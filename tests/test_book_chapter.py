@@ -58,7 +58,7 @@ def test_changed_parameters_and_the_cost_note(monkeypatch):
         device = "cpu (test)"
 
     assert run.finish(Prov()) is None  # no run_id: nothing saved
-    assert glued["run_setting"] == "with `metric = 'kl'`"
+    assert glued["run_setting"] == "with metric = 'kl'"
     assert glued["run_device"] == "cpu (test)"
     assert glued["run_time"].endswith(" s")
     assert glued["gpu_needs"] == "It has no GPU parameter file: it needs no GPU."
@@ -82,7 +82,7 @@ def test_finish_saves_the_results_file_when_run_id_is_set(monkeypatch, tmp_path)
 
 def test_gpu_needs_name_the_hub_model_and_its_memory():
     text = gpu_needs("04_perplexity")
-    assert "`params/04_perplexity-gpu.yaml` needs a CUDA GPU" in text
+    assert "The GPU parameter file params/04_perplexity-gpu.yaml needs a CUDA GPU" in text
     assert "Qwen/Qwen2.5-3B-Instruct" in text and "GB of GPU memory" in text
     assert "GB for the fp16 keys and values" in gpu_needs("03_kernels")
 

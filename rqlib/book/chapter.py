@@ -134,7 +134,7 @@ def gpu_needs(name: str) -> str:
         from rqlib.hf.models import PACKAGED_MODELS
 
         if model not in PACKAGED_MODELS:
-            parts.append(f"access to the Hugging Face hub to download `{model}`")
+            parts.append(f"access to the Hugging Face hub to download {model}")
             count = HUB_MODEL_PARAMETERS.get(model)
             if count is not None:
                 parts.append(f"about {4 * count / 1e9:.0f} GB of GPU memory for its fp32 weights")
@@ -142,7 +142,7 @@ def gpu_needs(name: str) -> str:
         largest = max(values["kv_lens"]) * values["kv_heads"] * values["head_dim"] * 2 * 2
         parts.append(f"{largest / 1e9:.1f} GB for the fp16 keys and values of its longest context")
     listed = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
-    return f"`{path.relative_to(repo_root()).as_posix()}` needs {listed}."
+    return f"The GPU parameter file {path.relative_to(repo_root()).as_posix()} needs {listed}."
 
 
 class Chapter:
@@ -211,7 +211,7 @@ class Chapter:
         setting = (
             "with its default parameters"
             if not changed
-            else "with " + ", ".join(f"`{p} = {v!r}`" for p, v in changed.items())
+            else "with " + ", ".join(f"{p} = {v!r}" for p, v in changed.items())
         )
         note = {
             "run_time": format_duration(seconds),

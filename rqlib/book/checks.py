@@ -46,8 +46,8 @@ class ClaimError(AssertionError):
     """A sentence of the book that the chapter's own numbers no longer support."""
 
 
-def claim(statement: str, holds: bool) -> str:
-    """Return ``statement`` when ``holds``; otherwise raise :class:`ClaimError` quoting it.
+def claim(statement: str, holds: bool) -> None:
+    """Do nothing when ``holds``; otherwise raise :class:`ClaimError` quoting ``statement``.
 
     A chapter calls this for every conclusion its prose states, so that a run whose numbers
     contradict the text fails instead of printing it.
@@ -58,7 +58,6 @@ def claim(statement: str, holds: bool) -> str:
         raise TypeError(f"holds must be a bool, got {type(holds).__name__} ({holds!r})")
     if not holds:
         raise ClaimError(f"the book states {statement!r}, but this run's numbers contradict it")
-    return statement
 
 
 def either(holds: bool, if_true: str, if_false: str) -> str:
