@@ -97,7 +97,8 @@ def slopes_figure(
     left.plot(line, shrinkage[shown_bits] * line, "C0:", lw=1, label="slope $1 - D$")
     left.set_xlabel(r"truth $\langle q, k\rangle$ (fixed pairs)")
     left.set_ylabel("estimate, averaged over the draws")
-    left.set_title(f"{shown_bits} bit(s) per coordinate", fontsize=10)
+    plural = "" if shown_bits == 1 else "s"
+    left.set_title(f"{shown_bits} bit{plural} per coordinate", fontsize=10)
     for offset, method in zip((-0.08, 0.08), styles):
         color, name = styles[method]
         found = sorted((b, i) for (m, b), i in intervals.items() if m == method)
