@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make book   set everything up, execute the chapters, build _build/html (strict)
 #   make test   set everything up, lint code and notebooks, run the test suite
+#   make sweep  regenerate the committed sweep of chapter 5 (tens of minutes)
 # Both create .venv when it is missing and reinstall only when pyproject.toml changes.
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rqlib-installed
 
-.PHONY: setup book test lint format clean
+.PHONY: setup book test lint format clean sweep
 
 setup: $(STAMP)
 
@@ -28,6 +29,21 @@ book: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest tests
 	$(BIN)/python -m pytest --nbmake --nbmake-timeout=1800 notebooks
+
+# Chapter 5's sweep of chapter 4, regenerated at the current code from a clean tree: the runs
+# go to a fresh folder, which replaces results/04_perplexity/ only when every run succeeded.
+SWEEP_GRID := -f params/04_perplexity-sweep.yaml -p key_bits 2 3 4 \
+	-p method turboquant-mse turboquant-prod rotorquant-mse -p exact_window 0 32
+SWEEP_NEW  := $(CURDIR)/book/_generated/sweep-results
+
+sweep: $(STAMP)
+	git diff --quiet HEAD -- rqlib notebooks params || \
+		{ echo "commit or stash your changes first: runs from a dirty tree are not committed" >&2; exit 2; }
+	rm -rf $(SWEEP_NEW)
+	RQLIB_RESULTS_DIR=$(SWEEP_NEW) $(BIN)/python -m rqlib sweep notebooks/04_perplexity.ipynb $(SWEEP_GRID)
+	rm -rf results/04_perplexity
+	mv $(SWEEP_NEW)/04_perplexity results/04_perplexity
+	rm -rf $(SWEEP_NEW)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -59,3 +59,49 @@ def test_every_citation_is_in_the_bibliography():
     }
     assert cited, "no citations found: the pattern is wrong"
     assert cited <= keys, f"cited but not in references.bib: {sorted(cited - keys)}"
+
+
+def bib_entries():
+    bib = (ROOT / "book" / "references.bib").read_text()
+    return dict(re.findall(r"@\w+\{([^,]+),(.*?)\n\}", bib, re.S))
+
+
+def cited_keys():
+    texts = [p.read_text() for p in (ROOT / "book").glob("*.md")]
+    for path in (ROOT / "notebooks").glob("*.ipynb"):
+        notebook = nbformat.read(path, as_version=4)
+        texts += [cell.source for cell in notebook.cells if cell.cell_type == "markdown"]
+    return {
+        key.strip()
+        for text in texts
+        for group in re.findall(r"\{cite\}`([^`]+)`", text)
+        for key in group.split(",")
+    }
+
+
+def test_every_reference_is_cited():
+    """The bibliography lists every entry (``:all:``): each must be cited where it is used."""
+    uncited = set(bib_entries()) - cited_keys()
+    assert not uncited, f"in references.bib but never cited: {sorted(uncited)}"
+
+
+def test_bibliography_titles_protect_their_capitals():
+    """BibTeX styles lower-case titles ("Turboquant"); words with capitals past their first
+    letter (TurboQuant, QJL, KV) and proper names must sit in braces."""
+    for key, body in bib_entries().items():
+        title = re.search(r"title\s*=\s*\{(.*)\},?\n", body).group(1)
+        unbraced = re.sub(r"\{[^{}]*\}", "", title)
+        loud = [
+            word
+            for word in re.findall(r"[A-Za-z][A-Za-z0-9.]*", unbraced)
+            if re.search(r".[A-Z]", word)
+        ]
+        assert not loud, f"{key}: protect {loud} with braces in its title"
+
+
+def test_how_to_cite():
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["title"] and cff["authors"]
+    page = (ROOT / "book" / "cite.md").read_text()
+    assert "```bibtex" in page and "CITATION.cff" in page
+    assert "book/cite" in toc_files(load("_toc.yml")["parts"])

@@ -1,6 +1,7 @@
 """Cheap static checks on the chapters (executing them is the book build's and nbmake's job)."""
 
 import ast
+import re
 from pathlib import Path
 
 import nbformat
@@ -51,11 +52,12 @@ def test_one_parameters_cell_describing_every_parameter(chapter):
         assert description["help"].strip(), f"{path.name}: parameter {name} has no description"
 
 
-def test_every_chapter_states_its_provenance_and_draws_a_figure(chapter):
+def test_every_chapter_states_its_provenance_and_glues_numbered_figures(chapter):
     path, notebook = chapter
     code = "\n".join(cell.source for cell in code_cells(notebook))
+    prose = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "markdown")
     # figures reach the page only through the inline backend; `make book` exports
-    # MPLBACKEND=Agg, under which plt.show() silently draws nothing
+    # MPLBACKEND=Agg, under which a figure would silently draw nothing
     assert "%matplotlib inline" in code, f"{path.name} must select the inline backend"
     tree = ast.parse("\n".join(line for line in code.splitlines() if not line.startswith("%")))
     imported = {
@@ -72,8 +74,63 @@ def test_every_chapter_states_its_provenance_and_draws_a_figure(chapter):
     assert "provenance" in imported and "provenance" in calls, (
         f"{path.name} never calls provenance()"
     )
-    assert "plt.show()" in code, f"{path.name} draws no figure"
-    assert "save_result(" in code, f"{path.name} cannot save its results"
+    # a run of the chapter: typed parameters, glued numbers, its cost and its results file
+    assert f'Chapter("{path.stem}", globals()' in code, f"{path.name} does not start a Chapter run"
+    assert "run.finish(prov" in code, f"{path.name} never calls run.finish (cost note, results)"
+    assert "plt.show()" not in code, f"{path.name} shows a figure without number or caption"
+    glued = set(re.findall(r'run\.figure\(\s*"(\w+)"', code))
+    placed = re.findall(r"```\{glue:figure\} (\w+)\n:name: (fig-[\w-]+)\n\n(.+?)```", prose, re.S)
+    assert glued, f"{path.name} glues no figure"
+    assert glued == {name for name, _, _ in placed}, f"{path.name}: glued {glued}, placed {placed}"
+    assert all(caption.strip() for _, _, caption in placed), f"{path.name}: a figure has no caption"
+
+
+def test_every_chapter_opens_with_its_cost_and_ends_with_exercises(chapter):
+    path, notebook = chapter
+    first = notebook.cells[0].source
+    for key in ("run_time", "run_device", "run_setting", "gpu_needs"):
+        assert f"{{glue:text}}`{key}`" in first, f"{path.name}: the opening note lacks {key}"
+    prose = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "markdown")
+    exercises = prose[prose.index("## Exercises") :]
+    count = len(re.findall(r"```\{admonition\} Exercise", exercises))
+    solutions = len(re.findall(r"```\{admonition\} Solution\n:class: dropdown", exercises))
+    assert 2 <= count <= 4 and solutions == count, f"{path.name}: {count} exercises, {solutions}"
+    assert "papermill notebooks/" in exercises, f"{path.name}: no exercise reruns the chapter"
+
+
+#: Words from the project's history that the book must not show its readers.
+HISTORY = re.compile(
+    r"\b(seed's|seed implementation|the seed (?:hoped|table)|issue[- ]?\d|"
+    r"issue-scale|first landing|landing)\b",
+    re.I,
+)
+
+
+def test_no_history_words_in_the_book():
+    texts = {
+        p: p.read_text() for p in [*CHAPTERS, *(ROOT / "book").glob("*.md"), ROOT / "README.md"]
+    }
+    for path, text in texts.items():
+        found = HISTORY.findall(text)
+        assert not found, f"{path.name} shows history words {found}"
+
+
+def test_code_cells_are_short_and_chapters_carry_ideas(chapter):
+    """About 25 lines per code cell at most; chapters 3 and 4 under 250 lines of code."""
+    path, notebook = chapter
+    sizes = [len(cell.source.splitlines()) for cell in code_cells(notebook)]
+    assert max(sizes) <= 27, f"{path.name}: a code cell of {max(sizes)} lines"
+    if path.stem in ("03_kernels", "04_perplexity"):
+        assert sum(sizes) < 250, f"{path.name}: {sum(sizes)} lines of code"
+
+
+def test_headings_are_not_numbered_by_hand(chapter):
+    """The toc numbers sections; "## 1. ..." would render "1.1. 1. ..."."""
+    path, notebook = chapter
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            numbered = re.findall(r"^#+ \d+\.", cell.source, re.M)
+            assert not numbered, f"{path.name}: hand-numbered headings {numbered}"
 
 
 def test_chapters_import_rqlib_instead_of_defining_its_formulas(chapter):

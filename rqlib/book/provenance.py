@@ -122,7 +122,8 @@ def describe_device(device: object | None = None) -> str:
         return f"{device} ({torch.cuda.get_device_name(device)})"
     if device.type == "cpu":
         cores = torch.get_num_threads()
-        return f"cpu ({platform.processor() or platform.machine()}, {cores} torch threads)"
+        threads = f"{cores} torch thread{'' if cores == 1 else 's'}"
+        return f"cpu ({platform.processor() or platform.machine()}, {threads})"
     return str(device)
 
 

@@ -2,7 +2,8 @@
 
 These are the formulas of the TurboQuant and QJL papers that are not part of the quantizers
 themselves: the law of one coordinate of a uniformly random unit vector, the MSE estimator's
-shrinkage and the QJL variance bound (the paper's distortion bounds live
+shrinkage, the QJL variance bound, the second-order costs of both estimators inside a
+softmax (the paper's distortion bounds live
 with the codebooks, :func:`rqlib.core.codebooks.distortion_bounds`; E|u_1| and the QJL constant
 with the quantizers, :func:`rqlib.core.quantizers.mean_abs_coordinate` and
 :func:`rqlib.core.quantizers.qjl_gamma`). Each is a one-liner with its
@@ -15,6 +16,8 @@ import math
 
 import numpy as np
 from scipy.special import gammaln
+
+from rqlib.core.codebooks import lloyd_max
 
 
 def _check_dimension(d: int) -> int:
@@ -63,3 +66,26 @@ def qjl_variance_bound(m: int, q_norm_sq: float, r_norm_sq: float) -> float:
     if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
         raise ValueError(f"m must be an integer >= 1, got {m!r}")
     return math.pi / (2 * int(m)) * float(q_norm_sq) * float(r_norm_sq)
+
+
+def softmax_error_coefficients(d: int, bits: int) -> dict[str, float]:
+    """Second-order costs in a softmax of the two estimators at ``bits`` per coordinate.
+
+    The attention KL of score errors ``ε`` is ``½ Var_p(ε)`` to second order. For unit keys
+    in ``R^d`` with the reconstruction ``x_hat = (1 - D) x + n``, ``E||n||^2 = D (1 - D)``:
+
+    - ``mse_bias``: ``D_b^2``, the MSE estimator's shrinkage cost per unit of ``Var_p(s)``;
+    - ``mse_noise``: ``D_b (1 - D_b)``, its noise per unit of ``sigma_0^2 = ||q||^2 ||k||^2 / d``;
+    - ``qjl_noise``: ``(pi / 2) D_{b-1}``, the noise of QJL with ``m = d`` on the residual of
+      ``b - 1`` bits (``D_0 = 1``: QJL alone), per unit of ``sigma_0^2``.
+    """
+    d = _check_dimension(d)
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    mse = lloyd_max(d, int(bits)).distortion
+    residual = lloyd_max(d, int(bits) - 1).distortion if bits > 1 else 1.0
+    return {
+        "mse_bias": mse**2,
+        "mse_noise": mse * (1 - mse),
+        "qjl_noise": math.pi / 2 * residual,
+    }

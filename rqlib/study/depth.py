@@ -21,6 +21,11 @@ with ``s = scaling * <q, k>`` the exact logit and ``ŝ`` its estimate:
   remove, ``(1 - slope)^2 Var(s)``, and what is left, ``Var(ŝ - slope s)`` (the two add up
   because the regression residual is uncorrelated with ``s``);
 - ``attention_kl``: ``KL(p || p̂)`` of the causal softmax rows, averaged over heads and queries;
+- ``kl_second_order``: the same KL to second order in the score error ``ε = ŝ - s``,
+  ``½ Var_p(ε)`` (the variance of ``ε`` under each row's exact attention ``p``), averaged over
+  rows: a shift common to a row drops out, only the spread of the error across keys counts;
+- ``kl_shrinkage``: ``KL(p || softmax(slope · s))``, the KL the measured shrinkage alone would
+  cause (a softmax temperature ``1 / slope``), averaged over rows;
 - ``output_error``: ``‖p̂ V - p V‖ / ‖p V‖`` over the layer's whole attention output (values
   exact: only the keys are compressed).
 """
@@ -61,6 +66,8 @@ class LayerErrors:
     bias_var: float
     noise_var: float
     attention_kl: float
+    kl_second_order: float
+    kl_shrinkage: float
     output_error: float
 
 
@@ -155,11 +162,19 @@ def layer_errors(
     log_p = torch.log_softmax(exact.masked_fill(~mask, float("-inf")), dim=-1)
     log_q = torch.log_softmax(estimate.masked_fill(~mask, float("-inf")), dim=-1)
     kl = float(row_kl(log_p, log_q).mean())
+    p = log_p.exp()
+    error = (estimate - exact).masked_fill(~mask, 0.0)
+    spread = (p * error**2).sum(-1) - (p * error).sum(-1) ** 2  # Var_p(ε) per row
+    kl_second_order = float(0.5 * spread.mean())
+    log_t = torch.log_softmax((slope * exact).masked_fill(~mask, float("-inf")), dim=-1)
+    kl_shrinkage = float(row_kl(log_p, log_t).mean())
     out_exact = log_p.exp() @ values_full
     out_estimate = log_q.exp() @ values_full
     output_error = float((out_estimate - out_exact).norm() / out_exact.norm())
     logit_var = float(exact[..., mask].double().var(unbiased=False))
-    return LayerErrors(slope, logit_var, bias_var, noise_var, kl, output_error)
+    return LayerErrors(
+        slope, logit_var, bias_var, noise_var, kl, kl_second_order, kl_shrinkage, output_error
+    )
 
 
 def key_quantizers(model: torch.nn.Module, config) -> list:

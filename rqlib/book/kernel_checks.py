@@ -1,0 +1,231 @@
+"""Chapter 3's kernel checks and byte counts, in the shapes the chapter shows.
+
+The kernels are checked the way the Triton tutorials check theirs: on irregular shapes (no
+length a multiple of a tile) against independent torch computations, with every output buffer
+starting as NaN so that an element a kernel forgot to write shows up as an error.
+
+:func:`scores_check` compares ``rqlib.kernels.fused_scores`` with the float64 torch reference and
+with ``Quantizer.inner_product``; :func:`decode_check` compares ``decode_attention`` with
+compressed values and exact sink / recent tokens against the float64 reference, and with fp16
+values and a sliding window against softmax(scores) · V written out. Both return the maximum
+relative errors and the shapes they used. :func:`byte_table` is the byte-count model of
+``rqlib.study.bench`` for several key bit widths; :func:`benchmark` times the kernels on a GPU.
+
+Import this module after ``TRITON_INTERPRET`` is set (on a CPU): it imports ``rqlib.kernels``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from rqlib import kernels
+from rqlib.book.checks import relative_error
+from rqlib.core.quantizers import make_quantizer
+from rqlib.kernels import reference
+from rqlib.study import bench
+
+__all__ = [
+    "FORMATS",
+    "IRREGULAR",
+    "Irregular",
+    "bench_arguments",
+    "benchmark",
+    "byte_table",
+    "decode_check",
+    "scores_check",
+    "tolerance",
+]
+
+#: The storage formats of :func:`rqlib.study.bench.byte_formats`, in its order.
+FORMATS = ("fp16", "one byte per code", "packed codes", "packed codes + QJL", "packed values")
+
+#: The methods the kernel chapter and the benchmark compress keys and values with.
+KEY_METHOD, VALUE_METHOD = "turboquant-prod", "turboquant-mse"
+
+
+@dataclass(frozen=True)
+class Irregular:
+    """Shapes of the checks: no length is a multiple of a tile or of a partition."""
+
+    batch: int = 2
+    kv_heads: int = 2
+    q_len: int = 7
+    scores_kv_len: int = 77
+    decode_kv_len: int = 200
+    n_sink: int = 4
+    n_recent: int = 20
+    window: int = 150
+    partition: int = 64
+
+
+IRREGULAR = Irregular()
+
+
+def tolerance(device: str) -> float:
+    """The relative error the checks accept: fp32 kernels sum at most D + m products per score
+    (rounding about sqrt(D) * 2^-24, 1e-6 relative); 1e-5 still fails any logic error, which
+    shows at the 1e-2 level. Compiled GPU code uses an approximate exp2 in the softmax: 1e-4."""
+    return 1e-5 if device == "cpu" else 1e-4
+
+
+def bench_arguments(
+    *,
+    head_dim: int,
+    key_bits: int,
+    value_bits: int,
+    group: int,
+    kv_heads: int,
+    kv_lens: Sequence[int],
+    hbm_gbps: float | None,
+) -> argparse.Namespace:
+    """The arguments ``python -m rqlib bench kernels`` would parse for this configuration."""
+    return argparse.Namespace(
+        what="kernels",
+        kv_lens=tuple(int(n) for n in kv_lens),
+        head_dim=head_dim,
+        kv_heads=kv_heads,
+        group=group,
+        batch=1,
+        key_method=KEY_METHOD,
+        key_bits=key_bits,
+        value_method=VALUE_METHOD,
+        value_bits=value_bits,
+        hbm_gbps=hbm_gbps,
+        cpu=False,
+        sweep_tiles=False,
+    )
+
+
+def byte_table(key_bits: Sequence[int], **arguments) -> pd.DataFrame:
+    """Bytes per token and KV head of each format (columns, :data:`FORMATS`) for each key bit
+    width (rows), from :func:`rqlib.study.bench.byte_formats`."""
+    rows = {}
+    for bits in key_bits:
+        formats = bench.byte_formats(bench_arguments(key_bits=bits, **arguments))
+        if len(formats) != len(FORMATS) or formats[0][0] != "fp16":
+            raise ValueError(f"rqlib.study.bench.byte_formats changed its formats: {formats}")
+        rows[bits] = {name: nbytes for name, (_, nbytes, _) in zip(FORMATS, formats)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("key bits")
+
+
+def _gaussian(generator: torch.Generator, device: str, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(device)
+
+
+def _poisoned() -> None:
+    """Make every output and scratch buffer of the Triton launches start as NaN."""
+    from rqlib.kernels import launch
+
+    launch.POISON_BUFFERS = True
+
+
+def scores_check(head_dim: int, bits: int, group: int, seed: int, device: str) -> dict:
+    """``fused_scores`` (Triton) on prod keys against float64 torch and the quantizer's own
+    ``inner_product``: ``{"vs_float64": error, "vs_inner_product": error, "seconds": ...}``."""
+    import time
+
+    _poisoned()
+    shape = IRREGULAR
+    generator = torch.Generator().manual_seed(seed)
+    quantizer = make_quantizer(KEY_METHOD, head_dim, bits, seed=seed)
+    keys = quantizer.quantize(
+        _gaussian(generator, device, shape.batch, shape.kv_heads, shape.scores_kv_len, head_dim) * 3
+    )
+    q = _gaussian(generator, device, shape.batch, shape.kv_heads * group, shape.q_len, head_dim)
+    scale = head_dim**-0.5
+    started = time.perf_counter()
+    scores = kernels.fused_scores(q, keys, scale=scale, backend="triton")
+    seconds = time.perf_counter() - started
+    exact64 = reference.fused_scores(q.double(), keys, scale=scale, dtype=torch.float64)
+    per_query_head = keys.map(lambda t: t.repeat_interleave(group, dim=1).unsqueeze(2))
+    estimator = quantizer.inner_product(q.unsqueeze(-2), per_query_head) * scale
+    return {
+        "vs_float64": relative_error(scores, exact64),
+        "vs_inner_product": relative_error(scores, estimator),
+        "seconds": seconds,
+    }
+
+
+def decode_check(
+    head_dim: int, bits: int, value_bits: int, group: int, seed: int, device: str
+) -> dict:
+    """Two decode steps (Triton) against float64: compressed values with exact sink and recent
+    tokens, and fp16 values with a sliding window. ``{"exact_tokens": error, "window": error,
+    "seconds": ...}``."""
+    import time
+
+    _poisoned()
+    s = IRREGULAR
+    generator = torch.Generator().manual_seed(seed + 1)
+    key_quantizer = make_quantizer(KEY_METHOD, head_dim, bits, seed=seed)
+    value_quantizer = make_quantizer(VALUE_METHOD, head_dim, value_bits, seed=seed + 1)
+    k = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim) * 2
+    v = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim)
+    keys, values = key_quantizer.quantize(k), value_quantizer.quantize(v)
+    q = _gaussian(generator, device, s.batch, s.kv_heads * group, 1, head_dim)
+    exact = dict(
+        sink_keys=k[:, :, : s.n_sink],
+        sink_values=v[:, :, : s.n_sink],
+        recent_keys=k[:, :, -s.n_recent :],
+        recent_values=v[:, :, -s.n_recent :],
+    )
+    scale, partition = head_dim**-0.5, s.partition
+    started = time.perf_counter()
+    out_exact = kernels.decode_attention(
+        q, keys, values, scale=scale, partition_size=partition, backend="triton", **exact
+    )
+    out_window = kernels.decode_attention(
+        q, keys, v.half(), scale=scale, window=s.window, partition_size=partition, backend="triton"
+    )
+    seconds = time.perf_counter() - started
+    exact64 = {name: t.double() for name, t in exact.items()}
+    ref_exact = reference.decode_attention(
+        q.double(), keys, values, scale=scale, dtype=torch.float64, **exact64
+    )
+    # softmax(scores) . V written out: keys before S - window are invisible
+    scores64 = reference.fused_scores(q.double(), keys, scale=scale, dtype=torch.float64)
+    scores64[..., : s.decode_kv_len - s.window] = float("-inf")
+    v64 = v.half().double().repeat_interleave(group, dim=1)  # query head h reads KV head h // g
+    ref_window = torch.softmax(scores64, dim=-1) @ v64
+    return {
+        "exact_tokens": relative_error(out_exact, ref_exact),
+        "window": relative_error(out_window, ref_window),
+        "seconds": seconds,
+        "partitions": math.ceil(s.decode_kv_len / partition),
+        "window_partitions": math.ceil(s.window / partition),
+    }
+
+
+def benchmark(args: argparse.Namespace, device: str = "cuda") -> pd.DataFrame:
+    """Time every kernel at every context length of ``args`` on a GPU (after checking the
+    compiled kernels against the references there): one row per (length, kernel)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the kernel benchmark needs a CUDA GPU")
+    dev = torch.device(device)
+    bench.check_on_gpu(args, dev)
+    key_qz = make_quantizer(args.key_method, args.head_dim, args.key_bits)
+    value_qz = make_quantizer(args.value_method, args.head_dim, args.value_bits)
+    rows = []
+    for kv_len in sorted(args.kv_lens):
+        timed = bench.time_one_length(args, kv_len, key_qz, value_qz, args.head_dim**-0.5, dev)
+        for name, ms, nbytes, sdpa_ms in timed:
+            rows.append(
+                {
+                    "kv_len": kv_len,
+                    "kernel": name,
+                    "time_us": ms * 1e3,
+                    "GB_per_s": nbytes / ms / 1e6,
+                    "speedup_vs_sdpa": sdpa_ms / ms,
+                }
+            )
+        torch.cuda.empty_cache()
+    frame = pd.DataFrame(rows)
+    if args.hbm_gbps:
+        frame["fraction_of_hbm"] = frame["GB_per_s"] / args.hbm_gbps
+    return frame

@@ -1,0 +1,143 @@
+"""Readers of the committed results (rqlib.book.loaders) and chapter 4's bookkeeping
+(rqlib.book.perplexity): every file the book reads exists and records a command the command
+line accepts; tables and verdicts are computed from the files."""
+
+import argparse
+import json
+import shlex
+
+import pandas as pd
+import pytest
+
+from rqlib.book import loaders, perplexity
+from rqlib.cli import COMMANDS
+
+
+@pytest.mark.parametrize("name", list(loaders.COMMITTED))
+def test_each_committed_file_records_a_command_the_cli_accepts(name):
+    path = loaders.committed_file(name)
+    words = shlex.split(loaders.recorded_command(path))
+    assert words[:3] == ["python", "-m", "rqlib"], words[:3]
+    command, argv = words[3], words[4:]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    COMMANDS[command][0](parser)
+    args = parser.parse_args(argv)
+    assert str(args.json) == f"results/{name}", "the command writes another file than this one"
+
+
+def test_a_missing_committed_file_says_how_to_restore_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="git checkout -- results/presets-smollm2.json"):
+        loaders.committed_file("presets-smollm2.json", tmp_path)
+    with pytest.raises(KeyError, match="not a committed results file"):
+        loaders.committed_file("elsewhere.json")
+
+
+def test_eval_table_has_integer_key_bits_and_the_run_fields():
+    frame = loaders.load_eval_table(loaders.committed_file("eval-quantizers-smollm2.json"))
+    assert frame["key_bits"].dtype.kind == "i" and frame.loc[0, "method"] == "fp"
+    assert set(frame["key_bits"]) == {2, 3, 4, 16}
+    pivot = loaders.keys_only_pivot({"smollm2": frame})
+    assert list(pivot.columns) == ["2 bits", "3 bits", "4 bits"]
+
+
+def test_preset_verdict_names_what_misses():
+    assert loaders.preset_verdict("rq-3.5", 3.4, 0.5, 0.005) == "meets its target"
+    verdict = loaders.preset_verdict("rq-3.5", 3.6, 1.5, 0.005)
+    assert verdict == "misses its target: ΔPPL by 0.50 points, bits by 0.100"
+
+
+def test_committed_numbers_and_levers_from_synthetic_files(tmp_path):
+    rows = [
+        {"role": "fp", "preset": None, "perplexity": 10.0, "delta_ppl_pct": 0.0, "kl": 0.0},
+        {
+            "role": "preset",
+            "preset": "rq-3",
+            "perplexity": 10.1,
+            "delta_ppl_pct": 1.0,
+            "kl": 0.01,
+            "bits_mean": 2.9,
+            "change": None,
+            "lever": None,
+        },
+        {
+            "role": "ablation",
+            "preset": "rq-3",
+            "change": "removed",
+            "lever": "sink",
+            "delta_ppl_pct": 5.0,
+            "kl": 0.05,
+        },
+        {
+            "role": "ablation",
+            "preset": "rq-3",
+            "change": "removed",
+            "lever": "centering",
+            "delta_ppl_pct": 2.0,
+            "kl": 0.02,
+        },
+        {"role": "baseline", "preset": None, "delta_ppl_pct": 1.2, "kl": 0.011},
+        {"role": "baseline", "preset": None, "delta_ppl_pct": 0.8, "kl": 0.009},
+    ]
+    path = tmp_path / "file.json"
+    corpus = {"sha256": "0" * 64}
+    path.write_text(
+        json.dumps({"rows": rows, "model": "m", "tokens": 64, "window": 32, "corpus": corpus})
+    )
+    frame = loaders.load_ablation(path)
+    levers = loaders.top_levers(frame)
+    assert levers.to_dict("records") == [
+        {"preset": "rq-3", "delta_ppl_pct": 1.0, "lever": "sink", "lever_delta_ppl_pct": 5.0}
+    ]
+    spread = loaders.seed_spread(frame)
+    assert spread == {
+        "n": 2,
+        "tokens": 64,
+        "delta_ppl_pct_min": 0.8,
+        "delta_ppl_pct_max": 1.2,
+        "kl_min": 0.009,
+        "kl_max": 0.011,
+    }
+    numbers = loaders.committed_numbers({}, {"smollm2": frame}, frame)
+    assert numbers["presets_smollm2_rq_3_delta_ppl_pct"] == 1.0
+    assert numbers["presets_smollm2_rq_3_verdict"] == "meets its target"
+    assert numbers["presets_smollm2_fp_ppl"] == 10.0
+
+
+def test_config_grid_and_the_qjl_comparison():
+    grid = perplexity.config_grid(
+        ["turboquant-mse", "turboquant-prod"], [3, 2], ["gaussian", "orthogonal"]
+    )
+    assert [key[0] for key in grid] == ["turboquant-mse"] * 2 + [
+        "turboquant-prod, gaussian S"
+    ] * 2 + ["turboquant-prod, orthogonal S"] * 2
+    assert [key[3] for key in grid][:2] == [2, 3]
+    with pytest.raises(ValueError, match="exact_window"):
+        perplexity.config_grid(["turboquant-mse"], [3], ["gaussian"], exact_window=-1)
+    table = pd.DataFrame(
+        {
+            "method": ["turboquant-mse", "turboquant-prod", "turboquant-prod", "rotorquant-prod"],
+            "qjl_sketch": [None, "gaussian", "orthogonal", "gaussian"],
+            "key_bits": [3, 3, 3, 3],
+            "kl": [0.1, 0.5, 0.05, 0.9],
+        }
+    )
+    # the rotor variant has no MSE sibling at 3 bits: it is not a pair
+    assert perplexity.qjl_against_mse(table) == (2, 1)
+
+
+def test_storage_savings_are_the_bit_accounting_differences():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2
+    )
+    savings = perplexity.storage_savings("turboquant-mse:b3:sink1:win64:wb=8:nm=6", config)
+    # head_dim 64: 16 - 11 = 5 norm bits per vector of 64 coordinates, for every stored vector
+    # and for the coded band's copies of the 64 most recent of 4096 tokens
+    assert savings["norm_bits"] == 11
+    assert savings["norm_saving"] == pytest.approx(5 / 64 * (1 + 64 / 4096))
+    # 64 of 4096 tokens as 8-bit codes (+ an 11-bit norm) instead of 16-bit copies
+    band = 64 / 4096 * (16 - (8 + 11 / 64))
+    assert savings["band_saving"] == pytest.approx(band)
+    with pytest.raises(ValueError, match="nm="):
+        perplexity.storage_savings("turboquant-mse:b3", config)
