@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,7 +12,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rqlib.cli import format_table
 from rqlib.spec.bits import average_bits, bytes_per_token
 from rqlib.spec.config import CompressionConfig
-from rqlib.study.eval import evaluate, windows
+from rqlib.study.eval import (
+    compare_modes,
+    evaluate,
+    select_tokens,
+    tokens_sha256,
+    windows,
+)
 
 
 def test_non_overlapping_windows_score_every_token_but_the_first_of_each():
@@ -132,6 +139,15 @@ def test_evaluate_rejects_bad_inputs(rng):
         (["eval", "--corpus", "ptb"], "unknown corpus"),
         (["eval", "--tokens", "1"], "--tokens"),
         (["eval", "--model", "/no/such/model/dir"], "cannot load model"),
+        (["eval", "--mode", "chunked"], "--chunk N goes with --mode chunked"),
+        (["eval", "--chunk", "4"], "--chunk N goes with --mode chunked"),
+        (["eval", "--mode", "chunked", "--chunk", "0"], "chunk, an int >= 1"),
+        (["eval", "--offset", "-1"], "--offset"),
+        (["eval", "--method", "hf-quanto:int3"], "int2, int4"),
+        (
+            ["eval", "--mode", "chunked", "--chunk", "8", "--method", "hf-quanto:int4"],
+            "chunked mode would flatter it",
+        ),
     ],
 )
 def test_eval_command_reports_bad_input(argv, message, capsys):
@@ -139,3 +155,155 @@ def test_eval_command_reports_bad_input(argv, message, capsys):
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- offset, modes -----------------------------------------------------------------------------
+def test_select_tokens_takes_the_stated_tokens(rng):
+    ids = torch.randint(0, 1000, (500,), generator=rng)
+    offset = int(torch.randint(0, 400, (1,), generator=rng))
+    n = int(torch.randint(2, 500 - offset + 1, (1,), generator=rng))
+    chosen = select_tokens(ids, offset, n)
+    assert chosen.tolist() == ids.tolist()[offset : offset + n]
+    with pytest.raises(ValueError, match="the corpus has 500 tokens"):
+        select_tokens(ids, 499, 2)
+    for bad in (dict(offset=-1, n_tokens=4), dict(offset=0, n_tokens=1)):
+        with pytest.raises(ValueError):
+            select_tokens(ids, **bad)
+    assert tokens_sha256(chosen) == tokens_sha256(chosen.clone())
+    assert tokens_sha256(chosen) != tokens_sha256(select_tokens(ids, offset + 1, n - 1))
+
+
+def tiny_llama(rng: torch.Generator, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+# A lossy config with every part the modes could disagree on: compressed keys and values,
+# an exact sink, and a recent band relative to each query.
+LOSSY = "turboquant-mse:k2:v2:sink1:win4"
+# Agreement margin: the 99.9 % interval of the mean per-token difference between two modes
+# must lie within 2 % of what the method itself changes (its mean KL, its mean |NLL - NLL_fp|).
+MARGIN = 0.02
+
+
+def assert_agree(a, b, fp) -> None:
+    comparison = compare_modes(a, b, confidence=0.999)
+    effect = {
+        "kl": a.per_token("kl").mean().item(),
+        "nll": (a.per_token("nll") - fp.per_token("nll")).abs().mean().item(),
+    }
+    for name in ("nll", "kl"):
+        low, high = comparison[name]["ci"]
+        assert -MARGIN * effect[name] < low <= high < MARGIN * effect[name], (name, comparison)
+
+
+def test_decode_and_prefill_agree_in_distribution(rng):
+    """The same cache, fed token by token or in one forward: per-token NLL and KL agree
+    (paired 99.9 % intervals within 2 % of the method's own effect), though not necessarily
+    element by element."""
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 128, (96,), generator=rng)
+    config = CompressionConfig.parse(LOSSY)
+    fp, prefill = evaluate(model, ids, [config], window=48, mode="prefill", progress=False)
+    fp_decode, decode = evaluate(model, ids, [config], window=48, mode="decode", progress=False)
+    assert prefill.kl > 1e-4  # the method does change the distribution
+    assert decode.n_scored == prefill.n_scored == 94
+    assert torch.equal(fp.per_token("nll"), fp_decode.per_token("nll"))  # one reference
+    assert_agree(decode, prefill, fp)
+    assert decode.tokens_fed == 94 and prefill.tokens_fed == 96  # decode skips the last token
+
+
+def test_chunked_agrees_with_decode(rng):
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 128, (80,), generator=rng)
+    chunk = int(torch.randint(2, 12, (1,), generator=rng))
+    config = CompressionConfig.parse(LOSSY)
+    fp, decode = evaluate(model, ids, [config], window=40, mode="decode", progress=False)
+    _, chunked = evaluate(
+        model, ids, [config], window=40, mode="chunked", chunk=chunk, progress=False
+    )
+    assert chunked.n_scored == decode.n_scored == 78
+    assert_agree(chunked, decode, fp)
+
+
+def test_modes_score_each_token_once_with_strided_windows(rng):
+    model = tiny_llama(rng, layers=1)
+    ids = torch.randint(0, 128, (30,), generator=rng)
+    config = CompressionConfig.parse("turboquant-mse:k3")
+    counts = set()
+    for mode, chunk in (("prefill", None), ("decode", None), ("chunked", 5)):
+        fp, result = evaluate(
+            model, ids, [config], window=12, stride=5, mode=mode, chunk=chunk, progress=False
+        )
+        counts.add((fp.n_scored, result.n_scored))
+    assert counts == {(29, 29)}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mode="greedy"), "mode must be one of"),
+        (dict(mode="chunked"), "chunk, an int >= 1"),
+        (dict(mode="chunked", chunk=0), "chunk, an int >= 1"),
+        (dict(mode="decode", chunk=4), "chunked' only"),
+    ],
+)
+def test_evaluate_rejects_bad_modes(kwargs, message, rng):
+    model = tiny_llama(rng, layers=1)
+    with pytest.raises(ValueError, match=message):
+        evaluate(model, torch.zeros(8, dtype=torch.long), [], progress=False, **kwargs)
+
+
+def test_compare_modes_needs_the_same_tokens(rng):
+    model = tiny_llama(rng, layers=1)
+    ids = torch.randint(0, 128, (20,), generator=rng)
+    (fp,) = evaluate(model, ids, [], window=10, progress=False)
+    (short,) = evaluate(model, ids[:12], [], window=10, progress=False)
+    same = compare_modes(fp, fp)
+    assert same["n"] == 18 and same["kl"]["p"] == 1 and same["nll"]["ci"] == (0.0, 0.0)
+    with pytest.raises(ValueError, match="different numbers of tokens"):
+        compare_modes(fp, short)
+
+
+@pytest.mark.model
+def test_eval_command_end_to_end_in_decode_mode_from_an_offset(tmp_path, rng, capsys):
+    """The path a user runs: held-out tokens from an offset, decode mode, a peer, the exact
+    control and one of ours; the JSON says which tokens were used, and load_headline reads it."""
+    from rqlib.__main__ import main
+    from rqlib.base.corpora import load_corpus
+    from rqlib.book.loaders import load_headline
+    from rqlib.hf.models import load_model
+
+    offset = int(torch.randint(0, 100_000, (1,), generator=rng))
+    path = tmp_path / "headline.json"
+    argv = ["eval", "--corpus", "pydoc", "--tokens", "24", "--window", "12"]
+    argv += ["--offset", str(offset), "--mode", "decode", "--no-progress", "--json", str(path)]
+    for method in ("hf-quanto:int4", "hf-dynamic", "turboquant-mse:k3"):
+        argv += ["--method", method]
+    assert main(argv) == 0
+    assert "decode mode" in capsys.readouterr().out
+    payload = json.loads(path.read_text())
+    _, tokenizer = load_model("smollm2-135m")
+    text = load_corpus("pydoc").text
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"][offset : offset + 24]
+    assert payload["tokens_sha256"] == tokens_sha256(torch.tensor(expected))
+    assert (payload["offset"], payload["mode"], payload["windows"]) == (offset, "decode", 2)
+    frame = load_headline(path)
+    assert list(frame["method"]) == ["fp", "hf-quanto:int4", "hf-dynamic", "turboquant-mse:k3"]
+    assert list(frame["kind"]) == ["fp", "peer", "peer", "rqlib"]
+    assert (frame["n_scored"] == 22).all() and (frame["seconds_per_token"] > 0).all()
+    assert (frame["offset"] == offset).all()
+    exact = frame.set_index("method").loc["hf-dynamic"]
+    assert abs(exact["kl"]) < 1e-5 and exact["top1"] == 1
+    assert main(argv[:-2] + ["--offset", str(10**7)]) == 2
+    assert "pydoc" in capsys.readouterr().err

@@ -369,20 +369,23 @@ def evaluate(
 
 
 # ---- do two modes agree? ---------------------------------------------------------------------
-def compare_modes(a: MethodResult, b: MethodResult) -> dict:
+def compare_modes(a: MethodResult, b: MethodResult, *, confidence: float = 0.999) -> dict:
     """Paired comparison of the per-token NLL and KL of two runs over the same tokens (the same
     method in two modes, say).
 
-    For each score, the per-token differences ``a - b`` are tested for a zero mean with a
-    two-sided paired t-test: returns ``{"n": tokens, "nll": {...}, "kl": {...}}`` with the
-    mean difference, its standard error, ``t`` and the p-value ``p`` for each (identical
-    scores: ``t = 0``, ``p = 1``). The two runs agree in distribution at significance
-    ``alpha`` when neither p-value is below ``alpha``. Tokens of one window are correlated, so
-    the test is, if anything, too quick to reject: an agreement it finds is not an artefact of
-    the correlation.
+    For each score the per-token differences ``a - b`` are summarised and tested for a zero
+    mean with a two-sided paired t-test: ``{"n": tokens, "nll": {...}, "kl": {...}}`` with,
+    for each, ``mean_diff``, its standard error ``se``, ``t``, the p-value ``p`` and ``ci``,
+    the ``confidence`` interval of the mean difference. Identical scores give ``t = 0``,
+    ``p = 1``. Two runs agree in distribution when the intervals lie inside a margin that
+    matters (a small fraction of what the method itself changes); a p-value below
+    ``1 - confidence`` says they differ. Tokens of one window are correlated, so the
+    intervals are, if anything, too narrow: agreement they show is not an artefact.
     """
     from scipy import stats
 
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
     out: dict = {}
     for name in ("nll", "kl"):
         x, y = a.per_token(name), b.per_token(name)
@@ -402,6 +405,7 @@ def compare_modes(a: MethodResult, b: MethodResult) -> dict:
             p = float(2 * stats.t.sf(abs(t), n - 1))
         else:  # every difference the same: equal runs, or a constant shift
             t, p = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
-        out[name] = {"mean_diff": mean, "se": se, "t": t, "p": p}
-        out["n"] = n
+        half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * se
+        out[name] = {"mean_diff": mean, "se": se, "t": t, "p": p, "ci": (mean - half, mean + half)}
+    out["n"] = n
     return out

@@ -270,6 +270,7 @@ class Peer:
         config = getattr(model, "config", model)
         if self.backend == "dynamic":
             return DynamicCache()  # every layer keeps every token; exact
+        self.check_available()
         geometry = model_geometry(config)
         if self.group_wise and geometry.head_dim % self.group_size:
             raise ValueError(
@@ -277,7 +278,6 @@ class Peer:
                 f"{self.group_size} (a group is {self.group_size} coordinates of one token's head "
                 "vector); choose group=N dividing the head dimension"
             )
-        self.check_available()
         kwargs = {}
         if self.group_wise:
             kwargs = dict(
