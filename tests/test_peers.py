@@ -186,19 +186,20 @@ def test_amortized_bits_at_a_long_context_by_hand():
 # ---- the caches in an evaluation -------------------------------------------------------------
 def test_a_quantizing_peer_is_exact_in_prefill_and_not_in_decode(rng):
     """Why peers are compared in decode mode: QuantizedCache returns the chunk it is given
-    exact, so one forward over a window shows no error, and the paired test says the two
-    modes differ (p < 1e-6); decode mode shows the quantization."""
+    exact, so one forward over a window shows no error; decode mode shows the quantization, and
+    the paired test over windows that finds our modes in agreement rejects these two
+    (p < 0.001: the test can fail)."""
     model = tiny_llama(rng)
-    ids = torch.randint(0, VOCAB, (96,), generator=rng)
-    peer = Peer.parse("hf-quanto:int2:group=32:res=8")
-    fp, prefill = evaluate(model, ids, [peer], window=48, mode="prefill", progress=False)
-    _, decode = evaluate(model, ids, [peer], window=48, mode="decode", progress=False)
+    ids = torch.randint(0, VOCAB, (192,), generator=rng)
+    peer = Peer.parse("hf-quanto:int2:group=32:res=4")
+    fp, prefill = evaluate(model, ids, [peer], window=16, mode="prefill", progress=False)
+    _, decode = evaluate(model, ids, [peer], window=16, mode="decode", progress=False)
     # prefill: the model's own attention over exact states, against the same forward
     # without a cache (fp32 rounding only)
     assert abs(prefill.kl) < 1e-6 and prefill.top1 == 1
     assert decode.kl > 1e-4
     comparison = compare_modes(decode, prefill)
-    assert comparison["kl"]["p"] < 1e-6 and comparison["kl"]["mean_diff"] > 0
+    assert comparison["kl"]["p"] < 1e-3 and comparison["kl"]["mean_diff"] > 0
     assert decode.extra["stored_bits"]["mean"] < 16  # something was stored quantized
     assert decode.config["peer"] == peer.label and decode.bits == peer.bits(model.config, 4096)
 

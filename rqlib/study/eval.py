@@ -135,10 +135,10 @@ def tokens_sha256(token_ids: torch.Tensor) -> str:
 class MethodResult:
     """Accumulated scores of one method over the evaluated windows.
 
-    ``token_nll``, ``token_kl`` and ``token_top1`` hold the per-token scores in order (one
-    tensor per window; :meth:`per_token` concatenates them); they are not part of
-    :meth:`to_dict`. ``seconds`` is the wall time of this method's cache and forwards,
-    ``tokens_fed`` the tokens it fed.
+    ``token_nll``, ``token_kl`` and ``token_top1`` hold the per-token scores in order, one
+    tensor per window (:meth:`per_token` concatenates them, :meth:`per_window` averages each);
+    they are not part of :meth:`to_dict`. ``seconds`` is the wall time of this method's cache
+    and forwards, ``tokens_fed`` the tokens it fed.
     """
 
     label: str
@@ -174,9 +174,26 @@ class MethodResult:
 
     def per_token(self, name: str) -> torch.Tensor:
         """Per-token ``"nll"``, ``"kl"`` or ``"top1"`` of every scored token, in order."""
+        return torch.cat(self._scores(name))
+
+    def per_window(self, name: str) -> torch.Tensor:
+        """The mean per-token ``"nll"``, ``"kl"`` or ``"top1"`` of each window, in order."""
+        return torch.stack([scores.double().mean() for scores in self._scores(name)])
+
+    def _scores(self, name: str) -> list[torch.Tensor]:
         if name not in ("nll", "kl", "top1"):
             raise ValueError(f"per-token scores are 'nll', 'kl' and 'top1', not {name!r}")
-        return torch.cat(getattr(self, f"token_{name}"))
+        return getattr(self, f"token_{name}")
+
+    def add_window(self, nll: torch.Tensor, kl: torch.Tensor, top1: torch.Tensor) -> None:
+        """Add the per-token scores of one window."""
+        self.nll_sum += float(nll.sum())
+        self.kl_sum += float(kl.sum())
+        self.top1_matches += int(top1.sum())
+        self.n_scored += nll.numel()
+        self.token_nll.append(nll.double().cpu())
+        self.token_kl.append(kl.double().cpu())
+        self.token_top1.append(top1.cpu())
 
     def to_dict(self, fp_perplexity: float | None = None) -> dict:
         out = {
@@ -200,18 +217,13 @@ def _copy(value):
 
 
 def _score(
-    result: MethodResult, log_probs: torch.Tensor, fp_log_probs: torch.Tensor, targets: torch.Tensor
-) -> None:
+    log_probs: torch.Tensor, fp_log_probs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token NLL, KL(fp || method) and top-1 agreement of some scored positions."""
     nll = -log_probs.gather(-1, targets[:, None])[:, 0]
     kl = (fp_log_probs.exp() * (fp_log_probs - log_probs)).sum(-1)
     top1 = log_probs.argmax(-1) == fp_log_probs.argmax(-1)
-    result.nll_sum += float(nll.sum())
-    result.kl_sum += float(kl.sum())
-    result.top1_matches += int(top1.sum())
-    result.n_scored += targets.numel()
-    result.token_nll.append(nll.double().cpu())
-    result.token_kl.append(kl.double().cpu())
-    result.token_top1.append(top1.cpu())
+    return nll.double().cpu(), kl.double().cpu(), top1.cpu()
 
 
 def check_methods(methods: list, mode: str, chunk: int | None, *, resolved: bool = True) -> None:
@@ -341,13 +353,14 @@ def evaluate(
             fp_log_probs = torch.log_softmax(logits.float(), -1)
             results[0].seconds += time.perf_counter() - started
             results[0].tokens_fed += end - begin
-            _score(results[0], fp_log_probs, fp_log_probs, targets)
+            results[0].add_window(*_score(fp_log_probs, fp_log_probs, targets))
             steps.update(fed)
             del logits
             step = {"prefill": fed, "decode": 1, "chunked": chunk}[mode]
             for result, method in zip(results[1:], methods):
                 steps.set_postfix_str(f"tokens {begin}..{end} {result.label}")
                 started = time.perf_counter()
+                scores = []
                 with _cache_of(model, method, tokenizer) as cache:
                     for start in range(0, fed, step):
                         stop = min(start + step, fed)
@@ -358,46 +371,50 @@ def evaluate(
                                 logits[lo - start : hi - start].float(), -1
                             )
                             rows = slice(lo - first_row, hi - first_row)
-                            _score(result, log_probs, fp_log_probs[rows], targets[rows])
+                            scores.append(_score(log_probs, fp_log_probs[rows], targets[rows]))
                         steps.update(stop - start)
                         del logits
                     result.seconds += time.perf_counter() - started
                     result.tokens_fed += fed
                     _record_storage(result, method, cache, model_config)
+                result.add_window(*(torch.cat(parts) for parts in zip(*scores)))
     steps.close()
     return results
 
 
 # ---- do two modes agree? ---------------------------------------------------------------------
 def compare_modes(a: MethodResult, b: MethodResult, *, confidence: float = 0.999) -> dict:
-    """Paired comparison of the per-token NLL and KL of two runs over the same tokens (the same
-    method in two modes, say).
+    """Do two runs over the same windows (the same method in two modes, say) agree in
+    distribution? A paired t-test over windows.
 
-    For each score the per-token differences ``a - b`` are summarised and tested for a zero
-    mean with a two-sided paired t-test: ``{"n": tokens, "nll": {...}, "kl": {...}}`` with,
-    for each, ``mean_diff``, its standard error ``se``, ``t``, the p-value ``p`` and ``ci``,
-    the ``confidence`` interval of the mean difference. Identical scores give ``t = 0``,
-    ``p = 1``. Two runs agree in distribution when the intervals lie inside a margin that
-    matters (a small fraction of what the method itself changes); a p-value below
-    ``1 - confidence`` says they differ. Tokens of one window are correlated, so the
-    intervals are, if anything, too narrow: agreement they show is not an artefact.
+    For the NLL and the KL, the difference ``a - b`` of each window's mean per-token score is
+    taken, and their mean is tested for zero with a two-sided paired t-test over the windows
+    (``windows - 1`` degrees of freedom). Windows, not tokens, are the independent units: a
+    code that flips in one mode stays flipped for every later query of its window, so the
+    per-token differences of a window move together. Returns ``{"windows": W, "tokens": n,
+    "nll": {...}, "kl": {...}}`` with, for each score, ``mean_diff`` (per token), its standard
+    error ``se``, ``t``, the p-value ``p`` and ``ci``, the ``confidence`` interval of the mean
+    difference (identical scores: ``t = 0``, ``p = 1``). The runs are said to agree at
+    significance ``1 - confidence`` when neither p-value is below it.
     """
     from scipy import stats
 
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    out: dict = {}
+    sizes_a = [scores.numel() for scores in a.token_nll]
+    sizes_b = [scores.numel() for scores in b.token_nll]
+    if sizes_a != sizes_b:
+        raise ValueError(
+            f"{a.label} and {b.label} scored different windows ({len(sizes_a)} windows, "
+            f"{sum(sizes_a)} tokens and {len(sizes_b)} windows, {sum(sizes_b)} tokens); compare "
+            "runs over the same windows"
+        )
+    if len(sizes_a) < 2:
+        raise ValueError(f"a paired test over windows needs at least 2 windows, got {len(sizes_a)}")
+    out: dict = {"windows": len(sizes_a), "tokens": sum(sizes_a)}
     for name in ("nll", "kl"):
-        x, y = a.per_token(name), b.per_token(name)
-        if x.shape != y.shape:
-            raise ValueError(
-                f"{a.label} and {b.label} scored different numbers of tokens "
-                f"({x.numel()} and {y.numel()}); compare runs over the same tokens"
-            )
-        diff = (x - y).numpy()
+        diff = (a.per_window(name) - b.per_window(name)).numpy()
         n = diff.size
-        if n < 2:
-            raise ValueError(f"a paired test needs at least 2 tokens, got {n}")
         mean = float(diff.mean())
         se = float(diff.std(ddof=1) / math.sqrt(n))
         if se > 0:
@@ -407,5 +424,4 @@ def compare_modes(a: MethodResult, b: MethodResult, *, confidence: float = 0.999
             t, p = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
         half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * se
         out[name] = {"mean_diff": mean, "se": se, "t": t, "p": p, "ci": (mean - half, mean + half)}
-    out["n"] = n
     return out
