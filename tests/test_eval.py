@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from test_hf import seed_of, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rqlib.cli import format_table
@@ -173,19 +174,9 @@ def test_select_tokens_takes_the_stated_tokens(rng):
     assert tokens_sha256(chosen) != tokens_sha256(select_tokens(ids, offset + 1, n - 1))
 
 
-def tiny_llama(rng: torch.Generator, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
+def tiny_llama(rng: torch.Generator):
+    """A random Llama with 3 layers, 2 KV heads of head_dim 16 (test_hf's)."""
+    return tiny_model("llama", seed_of(rng))
 
 
 # A lossy config with every part the modes could disagree on: compressed keys and values,
@@ -237,7 +228,7 @@ def test_chunked_agrees_with_decode(rng):
 
 
 def test_modes_score_each_token_once_with_strided_windows(rng):
-    model = tiny_llama(rng, layers=1)
+    model = tiny_llama(rng)
     ids = torch.randint(0, 128, (30,), generator=rng)
     config = CompressionConfig.parse("turboquant-mse:k3")
     counts = set()
@@ -259,13 +250,13 @@ def test_modes_score_each_token_once_with_strided_windows(rng):
     ],
 )
 def test_evaluate_rejects_bad_modes(kwargs, message, rng):
-    model = tiny_llama(rng, layers=1)
+    model = tiny_llama(rng)
     with pytest.raises(ValueError, match=message):
         evaluate(model, torch.zeros(8, dtype=torch.long), [], progress=False, **kwargs)
 
 
 def test_compare_modes_needs_the_same_tokens(rng):
-    model = tiny_llama(rng, layers=1)
+    model = tiny_llama(rng)
     ids = torch.randint(0, 128, (20,), generator=rng)
     (fp,) = evaluate(model, ids, [], window=10, progress=False)
     (short,) = evaluate(model, ids[:12], [], window=10, progress=False)

@@ -13,52 +13,23 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from test_hf import VOCAB, head_dim_64_model, seed_of, tiny_model
+from transformers import LlamaConfig
 
 from rqlib.base.install import no_deps_requirements
 from rqlib.study import peers
 from rqlib.study.eval import compare_modes, evaluate
 from rqlib.study.peers import PEER_NAMES, Peer, stored_bits
 
-VOCAB = 128
+
+def tiny_llama(rng: torch.Generator):
+    """A random Llama with 3 layers, 2 KV heads of head_dim 16 (test_hf's)."""
+    return tiny_model("llama", seed_of(rng))
 
 
-def seed_of(rng: torch.Generator) -> int:
-    return int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-
-
-def tiny_llama(rng: torch.Generator, head_dim: int = 32, kv_heads: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed_of(rng))
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2 * kv_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def tiny_gemma3(rng: torch.Generator) -> Gemma3ForCausalLM:
-    """Sliding window 6 on layers 0..2 (every 4th layer global), head_dim 32."""
-    torch.manual_seed(seed_of(rng))
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=6,
-        sliding_window_pattern=4,
-        max_position_embeddings=512,
-        query_pre_attn_scalar=32,
-    )
-    return Gemma3ForCausalLM(config).eval()
+def tiny_gemma3(rng: torch.Generator):
+    """A random Gemma 3 with a sliding window of 6 on 3 of its 4 layers, head_dim 32."""
+    return tiny_model("gemma3", seed_of(rng))
 
 
 def feed(model, cache, ids: torch.Tensor) -> None:
@@ -130,8 +101,8 @@ def test_stored_bits_match_a_hand_count(name, rng):
     """A peer run token by token on a tiny model stores what the format says, bit for bit;
     the amortized formula is the same count without quanto's row padding."""
     model = tiny_llama(rng)
-    kv_heads, head_dim = 2, 32
-    group = [16, 32][int(torch.randint(0, 2, (1,), generator=rng))]
+    kv_heads, head_dim = 2, 16
+    group = [8, 16][int(torch.randint(0, 2, (1,), generator=rng))]
     residual = int(torch.randint(3, 12, (1,), generator=rng))
     tokens = int(torch.randint(residual + 2, 3 * residual + 8, (1,), generator=rng))
     suffix = "" if name == "hf-fp8" else f":group={group}:res={residual}"
@@ -191,7 +162,7 @@ def test_a_quantizing_peer_is_exact_in_prefill_and_not_in_decode(rng):
     (p < 0.001: the test can fail)."""
     model = tiny_llama(rng)
     ids = torch.randint(0, VOCAB, (192,), generator=rng)
-    peer = Peer.parse("hf-quanto:int2:group=32:res=4")
+    peer = Peer.parse("hf-quanto:int2:group=16:res=4")
     fp, prefill = evaluate(model, ids, [peer], window=16, mode="prefill", progress=False)
     _, decode = evaluate(model, ids, [peer], window=16, mode="decode", progress=False)
     # prefill: the model's own attention over exact states, against the same forward
@@ -232,9 +203,9 @@ def test_quantized_peers_run_on_sliding_window_models_and_say_how(rng):
 
 
 def test_peers_refuse_a_group_that_does_not_divide_the_head(rng):
-    model = tiny_llama(rng, head_dim=16)
     with pytest.raises(ValueError, match="not a multiple of the group size 64"):
-        Peer.parse("hf-quanto:int4").make_cache(model)
+        Peer.parse("hf-quanto:int4").make_cache(tiny_llama(rng))
+    Peer.parse("hf-quanto:int4").make_cache(head_dim_64_model(rng))  # the default group fits
 
 
 def test_chunked_mode_refuses_peers_that_keep_their_chunk_exact(rng):

@@ -38,7 +38,9 @@ into the corpus (the held-out protocol).
 
 Every result carries its bits (:func:`rqlib.spec.bits.average_bits`, or
 :meth:`rqlib.study.peers.Peer.bits`) and its wall time: the seconds spent building its cache
-and running its forwards, and seconds per token fed.
+and running its forwards, and seconds per token fed. The methods of a window run one after
+the other, so their times are measured side by side. The ``fp`` row's time is that of its
+one-shot forward; in decode mode the exact cache's time per token is ``hf-dynamic``'s.
 """
 
 from __future__ import annotations
