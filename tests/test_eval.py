@@ -295,8 +295,17 @@ def test_eval_command_end_to_end_in_decode_mode_from_an_offset(tmp_path, rng, ca
     assert (payload["offset"], payload["mode"], payload["windows"]) == (offset, "decode", 2)
     frame = load_headline(path)
     assert list(frame["method"]) == ["fp", "hf-quanto:int4", "hf-dynamic", "turboquant-mse:k3"]
-    assert list(frame["kind"]) == ["fp", "peer", "peer", "rqlib"]
+    assert list(frame["kind"]) == ["fp", "peer", "control", "rqlib"]
     assert (frame["n_scored"] == 22).all() and (frame["seconds_per_token"] > 0).all()
     assert (frame["offset"] == offset).all()
     exact = frame.set_index("method").loc["hf-dynamic"]
     assert abs(exact["kl"]) < 1e-5 and exact["top1"] == 1
+
+
+def test_load_headline_names_a_file_of_another_kind(tmp_path):
+    from rqlib.book.loaders import load_headline
+
+    path = tmp_path / "presets.json"
+    path.write_text(json.dumps({"kind": "presets", "rows": []}))
+    with pytest.raises(ValueError, match=f"{path} is not a file written by `rqlib eval --json`"):
+        load_headline(path)

@@ -57,7 +57,8 @@ def load_headline(path: Path | str) -> pd.DataFrame:
     """The rows of a file written by ``python -m rqlib eval ... --json PATH`` (a headline
     table): one row per method, the uncompressed model (``fp``) first.
 
-    Columns: ``method`` (its label), ``kind`` (``fp``, ``rqlib`` or ``peer``), ``bits_key``,
+    Columns: ``method`` (its label), ``kind`` (``fp``; ``rqlib``; ``peer``; ``control``, the
+    exact cache fed like the others, ``hf-dynamic``), ``bits_key``,
     ``bits_value``, ``bits_mean``, ``bytes_per_token``, ``perplexity``, ``delta_ppl_pct``,
     ``kl``, ``top1``, ``n_scored``, ``seconds``, ``seconds_per_token``; and the run's fields
     (:data:`HEADLINE_RUN_FIELDS`, ``corpus_sha256``) repeated on every row so that frames of
@@ -76,7 +77,7 @@ def load_headline(path: Path | str) -> pd.DataFrame:
         rows.append(
             {
                 "method": result["label"],
-                "kind": "fp" if config is None else ("peer" if "peer" in config else "rqlib"),
+                "kind": _headline_kind(config),
                 "bits_key": result["bits"]["key"],
                 "bits_value": result["bits"]["value"],
                 "bits_mean": result["bits"]["mean"],
@@ -95,3 +96,11 @@ def load_headline(path: Path | str) -> pd.DataFrame:
         frame[key] = payload[key]
     frame["corpus_sha256"] = payload["corpus"]["sha256"]
     return frame
+
+
+def _headline_kind(config: dict | None) -> str:
+    if config is None:
+        return "fp"
+    if "peer" not in config:
+        return "rqlib"
+    return "control" if config["backend"] == "dynamic" else "peer"
