@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rqlib import kernels
+from rqlib.core.estimator import centroid_values
 from rqlib.core.gqa import expand_kv_heads, group_size
 from rqlib.kernels import limits, reference
 
@@ -196,15 +197,19 @@ class VectorCodec:
             x = x * self.scale.to(x.device, x.dtype)[None, :, None, :]
         return x
 
-    def encode(self, x: torch.Tensor) -> CompressedParts:
-        """Compress ``x`` ``[B, KV, S, d]``."""
+    def encode(
+        self, x: torch.Tensor, *, backend: str = "torch", validate: bool = True
+    ) -> CompressedParts:
+        """Compress ``x`` ``[B, KV, S, d]``; the quantizers run on ``backend``
+        (:func:`rqlib.kernels.quantize`). ``validate=False`` skips the checks that read values
+        back to the host (finite input, no norm overflow): the caller checks the norms."""
         x = self._prepared(x.float())
         out = []
         for part in self.parts:
             sub = _gather_channels(x, part.channels)
-            compressed = part.quantizer.quantize(sub)
+            compressed = kernels.quantize(part.quantizer, sub, backend=backend, validate=validate)
             if self.norm_correction:
-                compressed = _correct_norms(sub, compressed)
+                compressed = _correct_norms(sub, compressed, validate)
             out.append(compressed)
         return CompressedParts(tuple(out))
 
@@ -247,11 +252,24 @@ class VectorCodec:
         return total
 
 
-def _correct_norms(x: torch.Tensor, compressed):
-    """Store ``norm * <x, x_hat>/||x_hat||^2`` so the reconstruction is the least-squares fit."""
-    x_hat = compressed.quantizer.dequantize(compressed).float()
-    numerator = (x * x_hat).sum(-1)
-    denominator = (x_hat * x_hat).sum(-1)
-    scale = torch.where(denominator > 0, numerator / denominator.clamp_min(1e-30), 1.0)
-    norms = compressed.quantizer.store_norms(compressed.norms.float() * scale)
+def _correct_norms(x: torch.Tensor, compressed, validate: bool = True):
+    """Store ``<x, x_hat> / ||x_hat / norm||^2`` instead of the norm, so that the reconstruction
+    ``x_hat`` is the least-squares fit of ``x`` along its direction.
+
+    Computed in the rotated space, where ``x_hat / norm = R^T c_hat``: ``<x, R^T c_hat> =
+    <R x, c_hat>``, and ``||R^T c_hat|| = ||c_hat||`` for square rotations (rotor blocks pad
+    ``d``, so there the norm is taken after rotating back). An all-zero ``c_hat`` keeps the
+    norm."""
+    qz = compressed.quantizer
+    matrix = qz.rotation.matrix.to(x.device)  # [D, d]
+    c_hat = centroid_values(compressed)
+    numerator = ((x @ matrix.T) * c_hat).sum(-1)
+    if qz.rotated_dim == qz.d:
+        denominator = (c_hat * c_hat).sum(-1)
+    else:
+        denominator = (c_hat @ matrix).pow(2).sum(-1)
+    corrected = torch.where(
+        denominator > 0, numerator / denominator.clamp_min(1e-30), compressed.norms.float()
+    )
+    norms = qz.store_norms(corrected, validate=validate)
     return dataclasses.replace(compressed, norms=norms)
