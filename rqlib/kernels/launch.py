@@ -208,7 +208,8 @@ def attention(state, q: torch.Tensor, mask, scale: float, softcap: float | None)
     rows = q.float().reshape(batch, kv_heads, group, length, head_dim).transpose(2, 3)
     rows = rows.reshape(batch, kv_heads, n_rows, head_dim)
     zeros = rows.new_zeros(1)
-    q_main, q_sketch, mean = zeros, zeros, zeros
+    q_main, q_sketch = zeros, zeros
+    mean = rows.new_zeros(batch, kv_heads, n_rows)  # <q, mu>
     if not keys.is_exact:
         qz = keys.parts[0].quantizer
         scaled = rows if keys.scale is None else rows / keys.scale.float().to(device)[None, :, None]
@@ -217,7 +218,7 @@ def attention(state, q: torch.Tensor, mask, scale: float, softcap: float | None)
             q_sketch = (q_main @ qz.sketch.to(device).T).contiguous()
         if keys.mean is not None:
             mean = (rows * keys.mean.float().to(device)[None, :, None]).sum(-1).contiguous()
-    q_band, band_mean = zeros, zeros
+    q_band, band_mean = zeros, rows.new_zeros(batch, kv_heads, n_rows)
     band_k_mode = band_v_mode = 0
     if state.band_keys is not None:
         band_k_mode = 1 if state.band_keys.is_exact else 2
@@ -267,7 +268,7 @@ def attention(state, q: torch.Tensor, mask, scale: float, softcap: float | None)
         kv_heads, group, n_rows, head_dim, state.start, first, state.end, n_splits, partition,
         first, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
         *mask_strides, float(scale), float(softcap or 0.0),
-        *k_sizes[:9], k_sizes[9], int(keys.mean is not None),
+        *k_sizes,
         *k_strides,
         v_sizes[0], v_dim, v_sizes[3], v_sizes[4], v_sizes[8], v_sizes[9],
         *v_strides[:3], *v_strides[3:5], *v_strides[10:13],

@@ -169,7 +169,7 @@ def attention_kernel(
     stride_mb, stride_mt, stride_mk, scale, softcap,
     # main keys
     k_exact, k_cap, k_dim, k_bits, k_code_bytes, k_qjl, k_sign_bytes, k_qjl_scale, k_width,
-    k_norm_bytes, k_has_mean,
+    k_norm_bytes,
     stride_kcb, stride_kch, stride_kcs, stride_knb, stride_knh,
     stride_ksb, stride_ksh, stride_kss, stride_krb, stride_krh,
     stride_kxb, stride_kxh, stride_kxs,
@@ -228,8 +228,8 @@ def attention_kernel(
     sink_k = sink_k_ptr + b * stride_sb + kvh * stride_sh
     sink_v = sink_v_ptr + b * stride_sb + kvh * stride_sh
 
-    mean = tl.load(mean_ptr + q_rows, mask=row_mask & (k_has_mean != 0), other=0.0)
-    band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask & (band_k_mode == 2), other=0.0)
+    mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0)  # <q, mu> (zeros: no mean)
+    band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0)
 
     m_i = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
@@ -265,11 +265,10 @@ def attention_kernel(
 
         # 2. the substitution: band pairs read the band, sink keys the exact sink
         is_sink = keys < n_sink
-        in_band = (
+        in_band = (  # empty when band == 0
             (keys[None, :] > positions[:, None] - band)
             & (keys[None, :] <= positions[:, None])
             & (keys[None, :] >= n_sink)
-            & (band > 0)
         )
         tile_band = (band_k_mode > 0) & (tile + BLOCK_S > band_lo) & (tile <= block_hi)
         if tile_band:
@@ -332,8 +331,11 @@ def attention_kernel(
             v_tile = exact_values(v_x, slots, stride_vxs, in_range, head_dim, BLOCK_V)
             acc_main += tl.dot(p, v_tile, input_precision="ieee")
         else:
-            weights = tl.where(in_band & (band_v_mode > 0), 0.0, p)
-            weights = tl.where(is_sink[None, :] & (sink_values != 0), 0.0, weights)
+            weights = p
+            if band_v_mode > 0:
+                weights = tl.where(in_band, 0.0, weights)
+            if sink_values != 0:
+                weights = tl.where(is_sink[None, :], 0.0, weights)
             v_norms_tile = load_norms(v_norms, slots, v_width, in_range, v_norm_bytes)
             v_tile = code_values(
                 v_codes, slots, stride_vcs, in_range, v_bits, v_code_bytes, v_centroids_ptr,
