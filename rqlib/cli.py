@@ -361,7 +361,20 @@ def _run_sweep(args: argparse.Namespace) -> int:
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from rqlib.study.bench import DEFAULT_KV_LENS
 
-    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
+    parser.add_argument(
+        "what",
+        choices=["kernels", "decode-cpu"],
+        help="kernels: kernel timings on a GPU (the byte model without one); decode-cpu: time "
+        "per decode step on CPU, the fp cache and presets side by side",
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="decode-cpu: the model")
+    parser.add_argument("--context", type=int, default=1024, help="decode-cpu: tokens before")
+    parser.add_argument("--steps", type=int, default=32, help="decode-cpu: steps timed")
+    parser.add_argument(
+        "--presets", nargs="+", default=["rq-3.5"], help="decode-cpu: presets to time"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="decode-cpu: torch threads")
+    parser.add_argument("--json", default=None, help="decode-cpu: also write the result here")
     parser.add_argument(
         "--kv-lens",
         type=lambda s: tuple(int(x) for x in s.split(",")),
@@ -389,8 +402,18 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from rqlib.study.bench import print_byte_model, run_gpu
+    from rqlib.study.bench import decode_cpu, print_byte_model, print_decode_cpu, run_gpu
 
+    if args.what == "decode-cpu":
+        import json
+
+        from rqlib.base.files import atomic_write_text
+
+        result = decode_cpu(args.model, args.context, args.steps, tuple(args.presets), args.threads)
+        print_decode_cpu(result)
+        if args.json:
+            atomic_write_text(args.json, json.dumps(result, indent=1))
+        return 0
     if args.cpu or not torch.cuda.is_available():
         print_byte_model(args)
         print("\nTimings need a CUDA GPU: rerun `python -m rqlib bench kernels` on one.")

@@ -25,13 +25,16 @@ __all__ = [
     "CodeTable",
     "fields_norms",
     "norm_fields",
+    "norm_table",
     "pack_bits",
+    "pack_codes",
     "pack_fields",
     "pack_signs",
     "packed_size",
     "unpack_bits",
     "unpack_fields",
     "unpack_signs",
+    "write_fields",
 ]
 
 MAX_FIELD_BITS = 16
@@ -54,13 +57,28 @@ def _check_bits(bits: int) -> None:
     _check_width(bits, 8, "bits")
 
 
-def _words(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Eight codes per int64 word: ``[..., n]`` -> ``[..., ceil(n/8)]`` (zero padded)."""
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_bits` for integer codes of any dtype, unchecked (the caller guarantees
+    ``0 <= code < 2**bits``, e.g. codes from a bucketize over ``2**bits - 1`` boundaries)."""
     n = codes.shape[-1]
     groups = (n + 7) // 8
-    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, 8 * groups - n))
-    shifts = torch.arange(0, 8 * bits, bits, device=codes.device, dtype=torch.int64)
-    return (padded.reshape(*codes.shape[:-1], groups, 8) << shifts).sum(-1)
+    padded = codes.to(torch.int64)
+    if 8 * groups != n:
+        padded = torch.nn.functional.pad(padded, (0, 8 * groups - n))
+    shifts, byte_shifts = _pack_shifts(bits, str(codes.device))
+    words = (padded.reshape(*codes.shape[:-1], groups, 8) << shifts).sum(-1)  # 8 codes a word
+    stream = ((words[..., None] >> byte_shifts) & 255).to(torch.uint8)  # [..., groups, bits]
+    return stream.reshape(*codes.shape[:-1], -1)[..., : packed_size(n, bits)]
+
+
+@functools.lru_cache(maxsize=64)
+def _pack_shifts(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shifts placing code k of a word at bit k·bits, and byte m of a word at bit 8m."""
+    device = torch.device(device)
+    return (
+        torch.arange(0, 8 * bits, bits, device=device, dtype=torch.int64),
+        torch.arange(0, 8 * bits, 8, device=device, dtype=torch.int64),
+    )
 
 
 def pack_bits(codes: torch.Tensor, bits: int, *, validate: bool = True) -> torch.Tensor:
@@ -75,11 +93,7 @@ def pack_bits(codes: torch.Tensor, bits: int, *, validate: bool = True) -> torch
         raise TypeError(f"codes must be a uint8 torch.Tensor, got {getattr(codes, 'dtype', codes)}")
     if validate and codes.numel() and int(codes.max()) >= 2**bits:
         raise ValueError(f"codes must be < 2**bits = {2**bits}, got a code {int(codes.max())}")
-    n = codes.shape[-1]
-    words = _words(codes, bits)  # [..., groups]
-    shifts = torch.arange(0, 8 * bits, 8, device=codes.device, dtype=torch.int64)
-    stream = ((words[..., None] >> shifts) & 255).to(torch.uint8)  # [..., groups, bits]
-    return stream.reshape(*codes.shape[:-1], -1)[..., : packed_size(n, bits)]
+    return pack_codes(codes, bits)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -132,16 +146,17 @@ def pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _field_index(n: int, width: int, nbytes: int, device: str) -> tuple[torch.Tensor, ...]:
-    """Byte indices ``[n * span]`` (clamped into the row), a validity mask and shifts."""
-    offsets = torch.arange(n, dtype=torch.int64) * width
-    span = (7 + width + 7) // 8  # bytes a field of this width can touch
+def _group_index(width: int, device: str) -> tuple[torch.Tensor, ...]:
+    """Eight ``width``-bit fields fill ``width`` bytes: for field k of a group, the (at most
+    three) bytes it touches within the group, their weights and the field's bit shift."""
+    offsets = torch.arange(8) * width
+    span = (7 + width + 7) // 8
     index = (offsets >> 3)[:, None] + torch.arange(span)
-    valid = index < nbytes
-    weights = (1 << (8 * torch.arange(span, dtype=torch.int32))).expand(n, span) * valid
+    inside = index < width
+    weights = (1 << (8 * torch.arange(span))) * inside  # bytes past the group count zero
     device = torch.device(device)
     return (
-        index.clamp_max(max(nbytes - 1, 0)).reshape(-1).to(device),
+        index.clamp_max(width - 1).reshape(-1).to(device),
         weights.to(torch.int32).to(device),
         (offsets & 7).to(torch.int32).to(device),
     )
@@ -150,8 +165,8 @@ def _field_index(n: int, width: int, nbytes: int, device: str) -> tuple[torch.Te
 def unpack_fields(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_fields`: ``uint8 [..., nbytes]`` -> int32 fields ``[..., n]``.
 
-    Each field is read from the (at most three) bytes it touches: one gather and a few wide
-    integer operations, whatever ``n``.
+    Fields are read by whole groups of eight (``width`` bytes): one gather of the bytes each
+    field touches and a few wide integer operations, whatever ``n``.
     """
     _check_width(width, MAX_FIELD_BITS, "width")
     if packed.shape[-1] < packed_size(n, width):
@@ -159,13 +174,66 @@ def unpack_fields(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
             f"{n} fields of {width} bits take {packed_size(n, width)} bytes, "
             f"but packed has last dimension {packed.shape[-1]}"
         )
-    if n == 0:
-        return torch.zeros(*packed.shape[:-1], 0, dtype=torch.int32, device=packed.device)
-    index, weights, shifts = _field_index(n, width, packed.shape[-1], str(packed.device))
+    groups = (n + 7) // 8
+    region = packed[..., : groups * width]
+    if region.shape[-1] < groups * width:  # the last group is cut short
+        region = torch.nn.functional.pad(region, (0, groups * width - region.shape[-1]))
+    index, weights, shifts = _group_index(width, str(packed.device))
     span = weights.shape[-1]
-    gathered = packed.index_select(-1, index).reshape(*packed.shape[:-1], n, span)
-    words = (gathered.to(torch.int32) * weights).sum(-1, dtype=torch.int32)
-    return (words >> shifts) & ((1 << width) - 1)
+    lead = packed.shape[:-1]
+    gathered = region.reshape(*lead, groups, width).index_select(-1, index)
+    words = (gathered.reshape(*lead, groups, 8, span).to(torch.int32) * weights).sum(-1)
+    fields = (words >> shifts) & ((1 << width) - 1)
+    return fields.reshape(*lead, 8 * groups)[..., :n]
+
+
+def write_fields(packed: torch.Tensor, start: int, fields: torch.Tensor, width: int) -> None:
+    """Write int ``fields [..., n]`` (each < 2**width) in place as fields ``start .. start + n - 1``
+    of the packed streams ``packed [..., nbytes]``, leaving every other bit as it was.
+
+    Only the bytes the new fields touch are read and written (a handful of wide integer
+    operations); a few fields are placed with one 64-bit word, more by expanding their bits."""
+    n = fields.shape[-1]
+    bit0, bit1 = start * width, (start + n) * width
+    b0, b1 = bit0 // 8, -(-bit1 // 8)
+    offset, nbytes = bit0 - 8 * b0, b1 - b0
+    device = str(packed.device)
+    if offset + n * width <= 63:
+        shifts, byte_shifts = _place_shifts(n, width, offset, nbytes, device)
+        word = (fields.to(torch.int64) << shifts).sum(-1, keepdim=True)
+        new = ((word >> byte_shifts) & 255).to(torch.uint8)
+    else:
+        bits = (fields.to(torch.int32)[..., None] >> _bit_range(width, device)) & 1
+        bits = bits.reshape(*fields.shape[:-1], n * width)
+        bits = torch.nn.functional.pad(bits, (offset, 8 * nbytes - offset - n * width))
+        byte_weights = _bit_range(8, device).new_ones(8) << _bit_range(8, device)
+        new = (bits.reshape(*bits.shape[:-1], nbytes, 8) * byte_weights).sum(-1)
+        new = new.to(torch.uint8)
+    region = packed[..., b0:b1]
+    region.copy_((region & _keep_mask(offset, n * width, nbytes, device)) | new)
+
+
+@functools.lru_cache(maxsize=256)
+def _place_shifts(n: int, width: int, offset: int, nbytes: int, device: str):
+    device = torch.device(device)
+    return (
+        offset + width * torch.arange(n, device=device, dtype=torch.int64),
+        8 * torch.arange(nbytes, device=device, dtype=torch.int64),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _bit_range(n: int, device: str) -> torch.Tensor:
+    return torch.arange(n, device=torch.device(device), dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _keep_mask(offset: int, nbits: int, nbytes: int, device: str) -> torch.Tensor:
+    """Bytes with the bits ``offset .. offset + nbits - 1`` cleared, the others set."""
+    keep = [255] * nbytes
+    for bit in range(offset, offset + nbits):
+        keep[bit // 8] &= ~(1 << (bit % 8)) & 255
+    return torch.tensor(keep, dtype=torch.uint8, device=torch.device(device))
 
 
 def _norm_format(width: int) -> tuple[int, int]:
@@ -191,6 +259,14 @@ def fields_norms(fields: torch.Tensor, width: int) -> torch.Tensor:
     """Inverse of :func:`norm_fields`: int fields -> float16 norms."""
     shift, _ = _norm_format(width)
     return (fields.to(torch.int32) << shift).to(torch.int16).view(torch.float16)
+
+
+@functools.lru_cache(maxsize=32)
+def norm_table(width: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Every ``width``-bit norm field's value in ``dtype``: ``norm_table(...)[fields]`` is
+    ``fields_norms(fields).to(dtype)`` in one lookup."""
+    fields = torch.arange(2**width, dtype=torch.int32)
+    return fields_norms(fields, width).to(dtype).to(torch.device(device))
 
 
 # ---- packed codes straight to table values -------------------------------------------------

@@ -102,14 +102,14 @@ def _scores(stream: Stream, queries: _Queries, rows: torch.Tensor, k0: int, k1: 
         return rows @ stream.exact.read(k0, k1).to(dtype).transpose(-1, -2)
     total = None
     for part, (rotated, sketch) in zip(stream.parts, queries.parts):
-        stored = part.ring.read(k0, k1)
+        stored = part.ring.read(k0, k1, dtype)
         qz = part.quantizer
         scores = rotated @ centroid_values(stored, dtype).transpose(-1, -2)
-        scores = scores * stored.norms.to(dtype)[:, :, None, :]
+        scores = scores * stored.norms[:, :, None, :]
         if qz.has_qjl:
             signs = unpack_signs(stored.qjl_signs, qz.qjl_dim, dtype)
             qjl = sketch @ signs.transpose(-1, -2)
-            scores = scores + qjl * (stored.residual_norms.to(dtype) * qz.qjl_scale)[:, :, None]
+            scores = scores + qjl * (stored.residual_norms * qz.qjl_scale)[:, :, None]
         total = scores if total is None else total + scores
     return total if queries.mean is None else total + queries.mean
 
@@ -136,8 +136,8 @@ class _Values:
         else:
             terms = []
             for part in stream.parts:
-                stored = part.ring.read(k0, k1)
-                weighted = weights * stored.norms.to(dtype)[:, :, None, :]
+                stored = part.ring.read(k0, k1, dtype)
+                weighted = weights * stored.norms[:, :, None, :]
                 terms.append(weighted @ centroid_values(stored, dtype))
         self.acc = [t if a is None else a + t for a, t in zip(self.acc, terms)]
         if stream.mean is not None:

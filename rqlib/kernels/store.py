@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from rqlib.core.packing import fields_norms, norm_fields, pack_fields, unpack_fields
+from rqlib.core.packing import norm_fields, norm_table, unpack_fields, write_fields
 from rqlib.core.quantizers import CompressedVectors
 
 __all__ = ["VectorRing", "round_capacity"]
@@ -188,12 +188,8 @@ class VectorRing:
         for lo, hi, offset in _runs(start, start + length, self.capacity):
             for name, values in fields.items():
                 buffer = self.buffers[name]
-                if name in ("norms", "rnorms"):  # read-modify-write whole groups of 8 slots
-                    g_lo, g_hi = lo // 8 * 8, -(-hi // 8) * 8
-                    region = buffer[..., g_lo * width // 8 : g_hi * width // 8]
-                    current = unpack_fields(region, width, g_hi - g_lo)
-                    current[..., lo - g_lo : hi - g_lo] = values[..., offset : offset + hi - lo]
-                    region.copy_(pack_fields(current, width))
+                if name in ("norms", "rnorms"):  # bit fields: the neighbours' bits are kept
+                    write_fields(buffer, lo, values[..., offset : offset + hi - lo], width)
                 else:
                     buffer[:, :, lo:hi].copy_(values[:, :, offset : offset + hi - lo])
 
@@ -213,9 +209,10 @@ class VectorRing:
             for name, parts in pieces.items()
         }
 
-    def read(self, start: int, stop: int):
-        """Positions ``start .. stop - 1`` as ``CompressedVectors [B, KV, n]`` (norms float16)
-        or a tensor ``[B, KV, n, d]``: views of the buffers when the slots are contiguous."""
+    def read(self, start: int, stop: int, norm_dtype: torch.dtype = torch.float16):
+        """Positions ``start .. stop - 1`` as ``CompressedVectors [B, KV, n]`` (norms in
+        ``norm_dtype``, by one lookup of their fields) or a tensor ``[B, KV, n, d]``: views of the
+        buffers when the slots are contiguous."""
         if not 0 <= start <= stop <= self.end or stop - start > self.capacity:
             raise ValueError(
                 f"positions {start}..{stop - 1} are not stored (ring holds up to {self.end - 1}, "
@@ -232,12 +229,13 @@ class VectorRing:
             codes = torch.zeros(
                 self.batch, self.heads, stop - start, 0, dtype=torch.uint8, device=self.device
             )
+        table = norm_table(width, norm_dtype, str(self.device))
+
+        def norms(name: str) -> torch.Tensor:
+            return table[fields[name]]
+
         return CompressedVectors(
-            codes,
-            fields_norms(fields["norms"], width),
-            fields.get("signs"),
-            fields_norms(fields["rnorms"], width) if qz.has_qjl else None,
-            qz,
+            codes, norms("norms"), fields.get("signs"), norms("rnorms") if qz.has_qjl else None, qz
         )
 
     def truncate(self, end: int) -> None:

@@ -1,4 +1,7 @@
-"""Kernel benchmarks: ``python -m rqlib bench kernels``.
+"""Benchmarks: ``python -m rqlib bench kernels`` and ``python -m rqlib bench decode-cpu``.
+
+``decode-cpu`` times a model's decode steps on CPU, the uncompressed ``DynamicCache`` and the
+presets side by side in one run (:func:`decode_cpu`); what follows is about ``kernels``.
 
 On a CUDA device it first checks the Triton kernels against the torch references on a few
 small shapes (the tests only ever ran them in the interpreter), then times ``fused_scores`` and
@@ -286,3 +289,92 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     finally:
         geo.DECODE_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = defaults
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# decode steps on CPU, side by side
+
+
+def decode_cpu(
+    model_name: str = "smollm2-135m",
+    context: int = 1024,
+    steps: int = 32,
+    presets: tuple[str, ...] = ("rq-3.5",),
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Median time per decode step after ``context`` tokens: fp ``DynamicCache`` and presets.
+
+    Each method gets its own copy of the model and its own cache, prefilled with the same
+    ``context`` tokens of pydoc; then the next ``steps`` tokens are fed one at a time, the methods
+    taking turns at every step (in a rotating order), so that a change of machine load hits all
+    of them alike. Returns ``{"context", "steps", "threads", "load", "methods": {label: {"ms":
+    median, "ratio": median / fp median, "times": [...]}}}``.
+    """
+    import copy
+    import contextlib
+    import os
+    import statistics
+    import time
+
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    from rqlib.base.corpora import load_corpus, tokenize_corpus
+    from rqlib.hf import compress
+    from rqlib.hf.models import load_model
+    from rqlib.study.allocation import resolve
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_name)
+    ids = tokenize_corpus(load_corpus("pydoc"), tokenizer, context + steps)[None]
+    labels = ["fp"] + [f"preset:{name}" for name in presets]
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        runners = {}
+        fp_cache = DynamicCache(config=model.config)
+        model(ids[:, :context], cache=fp_cache, use_cache=True)
+        runners["fp"] = (model, fp_cache)
+        for label in labels[1:]:
+            copy_ = copy.deepcopy(model)
+            config = resolve(label, copy_, tokenizer, progress=False)
+            cache = stack.enter_context(compress(copy_, config, tokenizer=tokenizer))
+            copy_(ids[:, :context], cache=cache, use_cache=True)
+            runners[label] = (copy_, cache)
+        for step in tqdm(range(steps), desc="decode steps", disable=not progress):
+            token = ids[:, context + step : context + step + 1]
+            order = labels[step % len(labels) :] + labels[: step % len(labels)]
+            for label in order:
+                runner, cache = runners[label]
+                start = time.perf_counter()
+                runner(token, cache=cache, use_cache=True)
+                times[label].append(time.perf_counter() - start)
+    fp_median = statistics.median(times["fp"])
+    methods = {
+        label: {
+            "ms": 1000 * statistics.median(t),
+            "ratio": statistics.median(t) / fp_median,
+            "times": [round(1000 * x, 3) for x in t],
+        }
+        for label, t in times.items()
+    }
+    return {
+        "model": model_name,
+        "context": context,
+        "steps": steps,
+        "threads": torch.get_num_threads(),
+        "load": os.getloadavg()[0],
+        "methods": methods,
+    }
+
+
+def print_decode_cpu(result: dict) -> None:
+    """The table of :func:`decode_cpu`."""
+    print(
+        f"{result['model']}, decode after {result['context']} tokens, {result['steps']} steps, "
+        f"{result['threads']} threads, load average {result['load']:.1f}"
+    )
+    print(f"{'method':<16} {'ms/token':>9} {'vs fp':>7}")
+    for label, row in result["methods"].items():
+        print(f"{label:<16} {row['ms']:>9.1f} {row['ratio']:>6.2f}x")
