@@ -394,7 +394,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep-tiles",
         action="store_true",
-        help="also time decode_attention (packed K and V) for other tile sizes / warp counts "
+        help="also time the fused attention (packed K and V) for other tile sizes / warp counts "
         "at the largest kv_len (tuning aid; the defaults live in rqlib.kernels.limits)",
     )
 

@@ -270,6 +270,15 @@ def norm_table(width: int, dtype: torch.dtype, device: str) -> torch.Tensor:
 
 
 # ---- packed codes straight to table values -------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _word_constants(bits: int, field_bits: int, dtype: torch.dtype, device: str):
+    """Byte weights building a word from ``bits`` bytes, and the shifts of its fields."""
+    device = torch.device(device)
+    weights = (1 << (8 * torch.arange(bits, dtype=torch.int64))).to(dtype).to(device)
+    shifts = torch.arange(0, 8 * bits, field_bits, dtype=dtype, device=device)
+    return weights, shifts
+
+
 class CodeTable:
     """Read packed ``bits``-bit codes as values of a table (e.g. a codebook's centroids).
 
@@ -304,14 +313,14 @@ class CodeTable:
         lead = packed.shape[:-1]
         if self.field_bits == 8:  # one group per byte
             fields = packed.reshape(-1).to(torch.int32)
-        else:
-            groups = packed.reshape(-1, bits).to(torch.int64)
-            shifts = torch.arange(0, 8 * bits, 8, device=packed.device, dtype=torch.int64)
-            words = (groups << shifts).sum(-1)
-            per_word = 8 // self.k
-            field_shifts = torch.arange(
-                0, per_word * self.field_bits, self.field_bits, device=packed.device
+        else:  # words of eight codes (bits bytes): int32 up to 4 bytes, else int64
+            word_dtype = torch.int32 if bits <= 3 else torch.int64
+            byte_weights, field_shifts = _word_constants(
+                bits, self.field_bits, word_dtype, str(packed.device)
             )
-            fields = ((words[:, None] >> field_shifts) & (2**self.field_bits - 1)).reshape(-1)
+            words = (packed.reshape(-1, bits).to(word_dtype) * byte_weights).sum(
+                -1, keepdim=True, dtype=word_dtype
+            )
+            fields = ((words >> field_shifts) & (2**self.field_bits - 1)).reshape(-1)
         table = self._on(packed.device, dtype)
         return table.index_select(0, fields).reshape(*lead, n)

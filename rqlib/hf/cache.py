@@ -238,8 +238,11 @@ class CompressedLayer(CacheLayerMixin):
         The stored norms (or the exact states) are finite exactly when the inputs are. On CPU
         the check runs now; on CUDA reading the flag would stall the device, so it is kept on
         the device and read at the next step boundary (:meth:`check_deferred`)."""
-        total = sum(t.float().sum() for t in tensors)
-        finite = torch.isfinite(total)
+        same = all(t.shape == tensors[0].shape for t in tensors)
+        if same:  # the norms of every codec: one check
+            finite = torch.isfinite(torch.stack(tensors)).all()
+        else:
+            finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
         if self.device.type == "cuda":
             self._deferred_check = (
                 finite if self._deferred_check is None else self._deferred_check & finite

@@ -55,9 +55,16 @@ def fused_scores(
 
 
 # ---- the query side --------------------------------------------------------------------------
-def _per_head(t: torch.Tensor, dtype) -> torch.Tensor:
+def _as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``like``'s dtype and device (no operation when it is already)."""
+    if t.dtype == like.dtype and t.device == like.device:
+        return t
+    return t.to(device=like.device, dtype=like.dtype)
+
+
+def _per_head(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A per-KV-head constant ``[KV, c]`` broadcast against rows ``[B, KV, R, c]``."""
-    return t.to(dtype)[None, :, None, :]
+    return _as(t, like)[None, :, None, :]
 
 
 def _channels(x: torch.Tensor, channels: torch.Tensor | None) -> torch.Tensor:
@@ -79,18 +86,17 @@ class _Queries:
 def _query_side(stream: Stream, rows: torch.Tensor) -> _Queries:
     if stream.is_exact:
         return _Queries([], None)
-    dtype = rows.dtype
-    scaled = rows if stream.scale is None else rows / _per_head(stream.scale, dtype)
+    scaled = rows if stream.scale is None else rows / _per_head(stream.scale, rows)
     parts = []
     for part in stream.parts:
         qz = part.quantizer
         sub = _channels(scaled, part.channels)
-        rotated = sub @ qz.rotation.matrix.to(rows.device, dtype).T
-        sketch = rotated @ qz.sketch.to(rows.device, dtype).T if qz.has_qjl else None
+        rotated = sub @ _as(qz.rotation.matrix, rows).T
+        sketch = rotated @ _as(qz.sketch, rows).T if qz.has_qjl else None
         parts.append((rotated, sketch))
     mean = None
-    if stream.mean is not None:
-        mean = (rows * _per_head(stream.mean, dtype)).sum(-1, keepdim=True)  # [B, KV, R, 1]
+    if stream.mean is not None:  # [B, KV, R, 1]
+        mean = rows @ _as(stream.mean, rows)[None, :, :, None]
     return _Queries(parts, mean)
 
 
@@ -99,7 +105,7 @@ def _scores(stream: Stream, queries: _Queries, rows: torch.Tensor, k0: int, k1: 
     """Scores ``[B, KV, R, k1 - k0]`` of the rows against stored positions ``k0 .. k1 - 1``."""
     dtype = rows.dtype
     if stream.is_exact:
-        return rows @ stream.exact.read(k0, k1).to(dtype).transpose(-1, -2)
+        return rows @ _as(stream.exact.read(k0, k1), rows).transpose(-1, -2)
     total = None
     for part, (rotated, sketch) in zip(stream.parts, queries.parts):
         stored = part.ring.read(k0, k1, dtype)
@@ -132,7 +138,7 @@ class _Values:
         dtype = weights.dtype
         stream = self.stream
         if stream.is_exact:
-            terms = [weights @ stream.exact.read(k0, k1).to(dtype)]
+            terms = [weights @ _as(stream.exact.read(k0, k1), weights)]
         else:
             terms = []
             for part in stream.parts:
@@ -155,16 +161,16 @@ class _Values:
         for part, acc in zip(stream.parts, self.acc):
             if acc is None:
                 continue
-            back = acc @ part.quantizer.rotation.matrix.to(device, dtype)  # [B, KV, R, c]
+            back = acc @ _as(part.quantizer.rotation.matrix, acc)  # [B, KV, R, c]
             if part.channels is None:
                 out = out + back
             else:
                 index = part.channels.to(device)[None, :, None, :].expand(*back.shape)
                 out = out.scatter_add(-1, index, back)
         if stream.scale is not None:
-            out = out / _per_head(stream.scale, dtype)
+            out = out / _per_head(stream.scale, out)
         if stream.mean is not None and self.weight is not None:
-            out = out + self.weight * _per_head(stream.mean, dtype)
+            out = out + self.weight * _per_head(stream.mean, out)
         return out
 
 
@@ -190,7 +196,7 @@ def _substitute(state: AttentionState, side: dict, rows, positions, span, scores
         window.copy_(torch.where(in_band, band, window))
     n_sink = max(0, min(state.n_sink, k1) - k0)
     if n_sink:
-        sink = state.sink_keys[:, :, k0 : k0 + n_sink].to(rows.dtype)
+        sink = _as(state.sink_keys[:, :, k0 : k0 + n_sink], rows)
         scores[..., :n_sink] = rows @ sink.transpose(-1, -2)
     return (band_lo, band_hi, in_band), n_sink
 
@@ -234,7 +240,8 @@ def _query_block(state, rows, group, t0, t1, mask, scale, softcap, key_block):
     """Attention of the rows of query positions ``start + t0 .. start + t1 - 1``."""
     dtype, device = rows.dtype, rows.device
     positions = torch.arange(state.start + t0, state.start + t1, device=device)
-    positions = positions.repeat_interleave(group)  # position of each row
+    if group > 1:
+        positions = positions.repeat_interleave(group)  # position of each row
     side = {"keys": _query_side(state.keys, rows)}
     if state.band:
         side["band"] = _query_side(state.band_keys, rows)
@@ -256,10 +263,13 @@ def _query_block(state, rows, group, t0, t1, mask, scale, softcap, key_block):
         scores = scores * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        visible = mask.block(t0, t1, k0, k1).repeat_interleave(group, dim=2)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        hidden = mask.hidden(t0, t1, k0, k1)
+        if hidden is not None:
+            if group > 1:
+                hidden = hidden.repeat_interleave(group, dim=2)
+            scores = scores.masked_fill(hidden, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
-        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        safe_max = new_max.clamp_min(torch.finfo(dtype).min)  # a row that sees nothing yet
         alpha = torch.exp(running_max - safe_max)
         weights = torch.exp(scores - safe_max)
         total = total * alpha + weights.sum(-1, keepdim=True)
@@ -284,7 +294,7 @@ def _query_block(state, rows, group, t0, t1, mask, scale, softcap, key_block):
         if exact_acc is not None:
             exact_acc = exact_acc * alpha
         if sink_apart:
-            sink = state.sink_values[:, :, k0 : k0 + n_sink].to(dtype)
+            sink = _as(state.sink_values[:, :, k0 : k0 + n_sink], weights)
             term = weights[..., :n_sink] @ sink
             exact_acc = term if exact_acc is None else exact_acc + term
     shape = (*rows.shape[:3], rows.shape[-1])

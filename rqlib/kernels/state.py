@@ -118,6 +118,19 @@ class CausalMask:
             visible = visible & padding[:, None, None, :]
         return visible
 
+    def hidden(self, t0: int, t1: int, k0: int, k1: int) -> torch.Tensor | None:
+        """``~block(...)``, or ``None`` when every key of the block is visible to every query
+        (a causal block below the diagonal, no padding, no window cutting it)."""
+        first_query = self.q_offset + t0
+        if (
+            self.padding is None
+            and k0 >= self.kv_offset
+            and k1 <= min(first_query + 1, self.kv_offset + self.kv_length)
+            and (self.window is None or k0 > self.q_offset + t1 - 1 - self.window)
+        ):
+            return None
+        return ~self.block(t0, t1, k0, k1)
+
     def dense(self) -> torch.Tensor:
         """The mask as a boolean tensor ``[B, 1, q_length, kv_length]``."""
         k0 = self.kv_offset
@@ -144,6 +157,10 @@ class DenseMask:
     @property
     def kv_length(self) -> int:
         return self.tensor.shape[3]
+
+    def hidden(self, t0: int, t1: int, k0: int, k1: int) -> torch.Tensor:
+        """``~block(...)``."""
+        return ~self.block(t0, t1, k0, k1)
 
     def block(self, t0: int, t1: int, k0: int, k1: int) -> torch.Tensor:
         """As :meth:`CausalMask.block`; positions outside the mask's columns are hidden."""
