@@ -110,5 +110,7 @@ def test_a_decode_step_does_no_torch_work_that_grows_with_the_context(rng, monke
     assert short, "nothing was recorded"
     assert [op for op, _ in short] == [op for op, _ in long]
     grown = [(op, a, b) for (op, a), (_, b) in zip(short, long) if a != b]
-    print(f"{len(short)} operations per decode step; largest tensor {max(max(s) for _, s in short)}")
+    print(
+        f"{len(short)} operations per decode step; largest tensor {max(max(s) for _, s in short)}"
+    )
     assert not grown, grown[:5]

@@ -79,9 +79,14 @@ CASES = [
         group=4,
         kv_heads=1,
     ),
-    Case("exact layer, sliding window", keys=None, values=None, group=1, sliding=6, steps=(
-        (0, 9), (9, 10), (10, 11), (11, 12), (12, 13), (13, 17), (17, 18), (18, 19)
-    )),  # fmt: skip
+    Case(
+        "exact layer, sliding window",
+        keys=None,
+        values=None,
+        group=1,
+        sliding=6,
+        steps=((0, 9), (9, 10), (10, 11), (11, 12), (12, 13), (13, 17), (17, 18), (18, 19)),
+    ),  # fmt: skip
     Case(
         "rotor, exact band with coded values, softcap",
         keys=("rotorquant-mse", 3, {}),

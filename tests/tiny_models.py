@@ -4,13 +4,21 @@ format resolved for them: shared by the tests of the fused path."""
 from __future__ import annotations
 
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from rqlib.spec.config import CompressionConfig
 from rqlib.study.allocation import KEY_BITS, VALUE_BITS, Sensitivity, allocate
 
 VOCAB = 256
+
+
 class ByteTokenizer:
     """Bytes as token ids (vocabulary 256): the calibration tokenizer of the tiny models."""
 

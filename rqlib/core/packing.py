@@ -139,7 +139,9 @@ def pack_fields(fields: torch.Tensor, width: int) -> torch.Tensor:
     nbytes = packed_size(n, width)
     shifts = torch.arange(width, device=fields.device, dtype=torch.int32)
     stream = (fields.to(torch.int32)[..., None] >> shifts) & 1  # [..., n, width] stream bits
-    stream = torch.nn.functional.pad(stream.reshape(*fields.shape[:-1], n * width), (0, 8 * nbytes - n * width))
+    stream = torch.nn.functional.pad(
+        stream.reshape(*fields.shape[:-1], n * width), (0, 8 * nbytes - n * width)
+    )
     weights = 1 << torch.arange(8, device=fields.device, dtype=torch.int32)
     byte_bits = stream.reshape(*fields.shape[:-1], nbytes, 8)
     return (byte_bits * weights).sum(-1, dtype=torch.int32).to(torch.uint8)

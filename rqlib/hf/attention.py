@@ -107,8 +107,8 @@ def rqlib_attention(
         raise ValueError("the compressed cache is for inference: dropout must be 0 (call .eval())")
     if attention_mask is None:
         raise RuntimeError(
-            f"layer {layer_idx}: the compressed attention needs a mask (a CausalMask or an explicit "
-            "boolean 4-d mask), got None; is the rqlib mask function registered?"
+            f"layer {layer_idx}: the compressed attention needs a mask (a CausalMask or an "
+            "explicit boolean 4-d mask), got None; is the rqlib mask function registered?"
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -115,9 +115,15 @@ class CompressedLayer(CacheLayerMixin):
 
         def ring(codec: VectorCodec | None, exact: bool = True):
             if codec is None:
-                return Stream(exact=VectorRing(batch, heads, self.device, dim=dim, dtype=self.dtype))
+                return Stream(
+                    exact=VectorRing(batch, heads, self.device, dim=dim, dtype=self.dtype)
+                )
             parts = tuple(
-                Part(p.quantizer, p.channels, VectorRing(batch, heads, self.device, quantizer=p.quantizer))
+                Part(
+                    p.quantizer,
+                    p.channels,
+                    VectorRing(batch, heads, self.device, quantizer=p.quantizer),
+                )
                 for p in codec.parts
             )
             return Stream(parts=parts, mean=codec.mean, scale=codec.scale)
@@ -200,7 +206,7 @@ class CompressedLayer(CacheLayerMixin):
         """Encode the chunk and write every stream at positions ``start .. end - 1``."""
         backend = self._backend()
         encoded, norms = {}, []
-        for name, stream in self.streams.items():
+        for name in self.streams:
             states = key_states if "keys" in name else value_states
             codec = self._codec(name)
             if codec is None:
@@ -336,7 +342,9 @@ class CompressedLayer(CacheLayerMixin):
             return 0
         counts = self.stored_tokens()
         total = sum(
-            ring.nbytes(counts[name]) for name, stream in self.streams.items() for ring in stream.rings
+            ring.nbytes(counts[name])
+            for name, stream in self.streams.items()
+            for ring in stream.rings
         )
         for tensor in (self.sink_keys, self.sink_values):
             if tensor is not None:

@@ -288,6 +288,4 @@ def _least_squares_norms(qz, norms: torch.Tensor, y: torch.Tensor, c_hat: torch.
         denominator = (c_hat * c_hat).sum(-1)
     else:
         denominator = (c_hat @ _on(qz.rotation.matrix, c_hat)).pow(2).sum(-1)
-    return torch.where(
-        denominator > 0, norms * numerator / denominator.clamp_min(1e-30), norms
-    )
+    return torch.where(denominator > 0, norms * numerator / denominator.clamp_min(1e-30), norms)

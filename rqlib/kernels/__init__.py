@@ -143,7 +143,7 @@ def attention(
     ``ValueError`` naming the feature (:func:`rqlib.kernels.limits.check_state`).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
-        raise ValueError(f"q must be a float tensor [batch, q_heads, q_len, head_dim]")
+        raise ValueError("q must be a float tensor [batch, q_heads, q_len, head_dim]")
     if q.shape[2] != state.end - state.start:
         raise ValueError(
             f"q holds {q.shape[2]} positions but the state's chunk is "

@@ -104,9 +104,7 @@ def specializations() -> list[Specialization]:
                 Specialization("attention_kernel", {"BLOCK_V": block, **ATTENTION_TILE}, pointers)
             )
     specs.append(
-        Specialization(
-            "reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS
-        )
+        Specialization("reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS)
     )
     return specs
 

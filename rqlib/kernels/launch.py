@@ -168,7 +168,9 @@ def _exact_dtype(state, default: torch.dtype) -> torch.dtype:
         if stream is not None and stream.is_exact:
             dtypes.add(stream.exact.dtype)
     if len(dtypes) > 1:
-        raise ValueError(f"a layer's exact vectors must share one dtype, got {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"a layer's exact vectors must share one dtype, got {sorted(map(str, dtypes))}"
+        )
     return dtypes.pop() if dtypes else default
 
 
@@ -239,8 +241,8 @@ def attention(state, q: torch.Tensor, mask, scale: float, softcap: float | None)
     sink_k = state.sink_keys if state.sink_keys is not None else _dummy(device, exact_dtype)
     sink_v = state.sink_values if state.sink_values is not None else sink_k
     sink_strides = sink_k.stride()[:3] if state.sink_keys is not None else (0, 0, 0)
-    mask_tensor, has_mask, causal, window, mask_len, mask_offset, mask_strides = (
-        _mask_arguments(mask, device)
+    mask_tensor, has_mask, causal, window, mask_len, mask_offset, mask_strides = _mask_arguments(
+        mask, device
     )
 
     v_dim = head_dim if values.is_exact else values.parts[0].quantizer.rotated_dim

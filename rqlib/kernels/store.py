@@ -173,7 +173,9 @@ class VectorRing:
         if not self.packed:
             return {"exact": data}
         if data.quantizer is not self.quantizer:
-            raise ValueError(f"vectors of {data.quantizer!r} written to a ring of {self.quantizer!r}")
+            raise ValueError(
+                f"vectors of {data.quantizer!r} written to a ring of {self.quantizer!r}"
+            )
         fields = {"norms": norm_fields(data.norms, self.norm_width)}
         if self.quantizer.mse_bits:
             fields["codes"] = data.codes

@@ -335,8 +335,8 @@ def decode_cpu(
     of them alike. Returns ``{"context", "steps", "threads", "load", "methods": {label: {"ms":
     median, "ratio": median / fp median, "times": [...]}}}``.
     """
-    import copy
     import contextlib
+    import copy
     import os
     import statistics
     import time
