@@ -300,22 +300,23 @@ def attention_kernel(
         if softcap > 0:
             scaled = scores / softcap
             scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scaled)) - 1.0)  # tanh
-        visible = row_mask[:, None] & in_range[None, :]
+        # visibility as int8: a boolean tensor must not leave an `if` (no 1-bit shared memory)
+        visible = (row_mask[:, None] & in_range[None, :]).to(tl.int8)
         if causal != 0:
-            visible = visible & (keys[None, :] <= positions[:, None])
+            visible = visible * (keys[None, :] <= positions[:, None]).to(tl.int8)
             if window > 0:
-                visible = visible & (keys[None, :] > positions[:, None] - window)
+                visible = visible * (keys[None, :] > positions[:, None] - window).to(tl.int8)
         if has_mask != 0:
             column = keys - mask_offset
             inside = (column >= 0) & (column < mask_len)
             flags = tl.load(
                 mask_ptr + b * stride_mb + (rows // group)[:, None].to(tl.int64) * stride_mt
                 + column.to(tl.int64)[None, :] * stride_mk,
-                mask=visible & inside[None, :],
+                mask=(visible != 0) & inside[None, :],
                 other=0,
             )  # fmt: skip
-            visible = visible & (flags != 0)
-        scores = tl.where(visible, scores, float("-inf"))
+            visible = visible * (flags != 0).to(tl.int8)
+        scores = tl.where(visible != 0, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
