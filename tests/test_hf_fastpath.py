@@ -69,3 +69,17 @@ def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
     print(f"max logit difference {difference:.2e}; stored bytes that differ: {flipped}")
     assert torch.equal(kernel_tokens, tokens)
     assert math.isfinite(difference) and difference <= LOGIT_TOL
+
+
+def test_a_config_the_kernel_cannot_serve_is_refused_when_built_on_cuda(rng, monkeypatch):
+    # the model's device decides; on a CPU-only machine the check is reached by saying "cuda"
+    from rqlib.hf import integration
+
+    model = tiny_model("llama", int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    monkeypatch.setattr(integration, "_on_cuda", lambda model: True)
+    with pytest.raises(ValueError, match="outlier channel split"):
+        with compress(model, "turboquant-mse:k3:v3:ko8:ctok=256", tokenizer=ByteTokenizer()):
+            pass
+    assert model.config._attn_implementation == "sdpa"
+    with compress(model, preset_config("rq-3", model), tokenizer=ByteTokenizer()):
+        pass  # the presets' format is served

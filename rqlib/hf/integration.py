@@ -166,6 +166,12 @@ def _layer(
     )
 
 
+def _on_cuda(model: torch.nn.Module) -> bool:
+    """Whether the model's weights (hence its keys and values) live on a CUDA device."""
+    parameter = next(model.parameters(), None)
+    return parameter is not None and parameter.device.type == "cuda"
+
+
 def build_cache(
     model: torch.nn.Module,
     config: CompressionConfig,
@@ -185,8 +191,7 @@ def build_cache(
         _layer(config, index, module, head_dim, n_layers, calibration)
         for index, module in enumerate(modules)
     ]
-    parameter = next(model.parameters(), None)
-    if parameter is not None and parameter.device.type == "cuda":
+    if _on_cuda(model):
         for layer in layers:  # the fused kernel serves every preset; refuse what it cannot
             kernels.check_layer(
                 layer.key_codec, layer.value_codec, layer.key_band_codec, layer.value_band_codec

@@ -19,7 +19,7 @@ Bytes read per key, head_dim d = 128 (rotated dim D = 128, m = 128 signs, fp16 n
 so a memory-bound score pass over 3-bit keys reads about 5x fewer bytes than over fp16 keys
 (the query side and the centroids are O(1)). It also writes 4 bytes per key and query row: 16
 bytes per key at GQA 4 in decode, a third of what it reads; that is why decoding uses
-:mod:`rqlib.kernels.triton_decode`, which never writes the scores out.
+:mod:`rqlib.kernels.triton_attention`, which never writes the scores out.
 
 Work decomposition: one program per (batch, kv head, block of BLOCK_ROWS = 16 query rows,
 block of BLOCK_S = 32 keys) (sizes in :mod:`rqlib.kernels.limits`).
