@@ -567,7 +567,23 @@ def _run_sweep(args: argparse.Namespace) -> int:
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from rqlib.study.bench import DEFAULT_KV_LENS
 
-    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
+    parser.add_argument(
+        "what",
+        choices=["kernels", "decode-cpu"],
+        help="kernels: kernel timings on a GPU (the byte model without one); decode-cpu: time "
+        "per decode step on CPU, the fp cache and presets side by side",
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="decode-cpu: the model")
+    parser.add_argument("--context", type=int, default=1024, help="decode-cpu: tokens before")
+    parser.add_argument("--steps", type=int, default=32, help="decode-cpu: steps timed")
+    parser.add_argument(
+        "--presets", nargs="+", default=["rq-3.5"], help="decode-cpu: presets to time"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="decode-cpu: torch threads")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="decode-cpu: also write the result here"
+    )
+    parser.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     parser.add_argument(
         "--kv-lens",
         type=_int_list,
@@ -587,7 +603,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep-tiles",
         action="store_true",
-        help="also time decode_attention (packed K and V) for other tile sizes / warp counts "
+        help="also time the fused attention (packed K and V) for other tile sizes / warp counts "
         "at the largest kv_len (tuning aid; the defaults live in rqlib.kernels.limits)",
     )
 
@@ -603,8 +619,23 @@ _int_list.__name__ = "comma-separated int list"
 def _run_bench(args: argparse.Namespace) -> int:
     import torch
 
+    from rqlib.study.bench import decode_cpu, print_byte_model, print_decode_cpu, run_gpu
+
+    if args.what == "decode-cpu":
+        for name, minimum in (("context", 1), ("steps", 1)):
+            _at_least(name, getattr(args, name), minimum)
+        if args.threads is not None:
+            _at_least("threads", args.threads, 1)
+        _check_output(args.json, args.force)
+        with _user_input(f"--model {args.model}"):
+            result = decode_cpu(
+                args.model, args.context, args.steps, tuple(args.presets), args.threads
+            )
+        print_decode_cpu(result)
+        if args.json:
+            _write_json(args.json, result, args.force, indent=1)
+        return 0
     from rqlib.core.quantizers import make_quantizer
-    from rqlib.study.bench import print_byte_model, run_gpu
 
     for name, minimum in (("head_dim", 2), ("kv_heads", 1), ("group", 1), ("batch", 1)):
         _at_least(name.replace("_", "-"), getattr(args, name), minimum)

@@ -250,7 +250,9 @@ def test_layer_attention_matches_the_definition(band_bits, rng):
             )
             assert (output.double() - exact_band).abs().max().item() > 1e-3
     if band_bits is not None:  # what is kept: the codes of the last 3 tokens, nothing exact
-        assert layer.recent_keys.length == 3 and layer.recent_values.length == 3
+        for name in ("band_keys", "band_values"):
+            assert not layer.streams[name].is_exact
+            assert layer.stored_tokens()[name] == 3
 
 
 def test_centering_and_outliers_are_exact_in_the_score(rng):

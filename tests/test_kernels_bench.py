@@ -1,8 +1,9 @@
 """The benchmark command: its CPU byte model, and its GPU code path run on CPU.
 
-The GPU path (check_on_gpu, time_one_length) runs here with the Triton interpreter on tiny
-shapes and a stand-in for ``triton.testing.do_bench`` that returns a fixed time: this checks the
-code runs and the byte counts add up, never a timing.
+The GPU path (check_on_gpu, time_one_length, sweep_tiles) runs here with the Triton interpreter
+on tiny shapes and a stand-in for ``triton.testing.do_bench`` that returns a fixed time: this
+checks the code runs and the byte counts add up, never a timing. The decode-cpu benchmark is
+measured, not tested (its numbers are in the fast-path report and chapter 3).
 """
 
 from __future__ import annotations
@@ -38,26 +39,50 @@ def test_cpu_prints_the_byte_model(capsys):
 
 def test_gpu_code_path_runs_on_cpu(monkeypatch, capsys):
     args = parse(["kernels", "--head-dim", "64", "--kv-heads", "1", "--group", "2"])
+    monkeypatch.setattr(bench, "decode_step", interpreted(bench.decode_step))
     bench.check_on_gpu(args, torch.device("cpu"), length=70)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), 2.0)[1])
     key_qz = make_quantizer(args.key_method, 64, args.key_bits)
     value_qz = make_quantizer(args.value_method, 64, args.value_bits)
     timings = bench.time_one_length(args, 48, key_qz, value_qz, 0.125, torch.device("cpu"))
     names = [name for name, *_ in timings]
-    assert names == ["SDPA fp16", "fused_scores", "decode K packed, V fp16", "decode K, V packed"]
+    assert names == [
+        "SDPA fp16",
+        "fused_scores",
+        "attention K packed, V fp16",
+        "attention K, V packed",
+    ]
     by_name = {name: nbytes for name, _, nbytes, _ in timings}
     assert by_name["SDPA fp16"] == 2 * 48 * 64 * 2
     stored = 48 * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
-    partials = 2 * 2 * 2 * (2 + 64) * 4  # two reductions x (written + read) x 2 heads x (m, l, acc)
-    assert by_name["decode K, V packed"] == stored + partials
+    partials = 2 * 2 * 1 * (2 + 3 * 64) * 4  # (written + read) x 2 heads x 1 split x (m, l, acc)
+    assert by_name["attention K, V packed"] == stored + partials
     assert "bit-identical to torch: True" in capsys.readouterr().out
     rows = bench.sweep_tiles(args, 40, key_qz, value_qz, 0.125, torch.device("cpu"))
     assert len(rows) == len(bench.TILE_CANDIDATES)
-    # fp16 output: one rounding of 2^-11 relative, see tests/test_kernels.py
+    # fp16 queries: one rounding of 2^-11 relative, see tests/test_kernels_attention.py
     assert all(error <= 1e-3 for *_, error in rows)
+
+
+def interpreted(decode_step):
+    """The benchmark's decode step with the Triton backend forced (CPU tensors: interpreted)."""
+
+    def step(layer, q, scale, backend=None):
+        return decode_step(layer, q, scale, backend or "triton")
+
+    return step
 
 
 @pytest.mark.parametrize("name,gbps", [("NVIDIA H200", 4800.0), ("NVIDIA H100 80GB HBM3", 3350.0)])
 def test_hbm_peak_lookup(monkeypatch, name, gbps):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     assert bench.hbm_peak_gbps(parse(["kernels"])) == gbps
+
+
+@pytest.mark.model
+def test_decode_cpu_runs_side_by_side():
+    # a smoke test of the measuring code (two steps after 32 tokens), never of its timings
+    result = bench.decode_cpu(context=32, steps=2, presets=("rq-3",), threads=1, progress=False)
+    assert set(result["methods"]) == {"fp", "preset:rq-3"}
+    assert all(len(row["times"]) == 2 for row in result["methods"].values())
+    assert result["methods"]["fp"]["ratio"] == 1.0

@@ -15,11 +15,31 @@ kernels compute the same sums in tiles.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from rqlib.core.packing import unpack_bits, unpack_signs
+from rqlib.core.packing import CodeTable, unpack_bits, unpack_signs
 
-__all__ = ["key_terms", "paired_scores", "pairwise_scores", "query_terms"]
+__all__ = ["centroid_values", "key_terms", "paired_scores", "pairwise_scores", "query_terms"]
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # quantizer -> CodeTable
+
+
+def centroid_values(c, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``c_hat``: the codebook vectors of the stored codes, ``[..., D]`` in ``dtype`` (zeros
+    without codes). Whole groups of eight codes are read through a :class:`CodeTable`."""
+    qz = c.quantizer
+    device = c.norms.device
+    if not qz.mse_bits:
+        return torch.zeros(*c.shape, qz.rotated_dim, dtype=dtype, device=device)
+    if qz.rotated_dim % 8 == 0:
+        table = _TABLES.get(qz)
+        if table is None:
+            table = _TABLES[qz] = CodeTable(qz.centroids.double(), qz.mse_bits)
+        return table.lookup(c.codes, qz.rotated_dim, dtype)
+    codes = unpack_bits(c.codes, qz.mse_bits, qz.rotated_dim).long()
+    return qz.centroids.to(device, dtype)[codes]
 
 
 def key_terms(c, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -29,12 +49,7 @@ def key_terms(c, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torc
     ``c_hat`` is the codebook vector of the stored codes (zeros without codes).
     """
     qz = c.quantizer
-    device = c.norms.device
-    if qz.mse_bits:
-        codes = unpack_bits(c.codes, qz.mse_bits, qz.rotated_dim).long()
-        mse = qz.centroids.to(device, dtype)[codes] * c.norms.to(dtype)[..., None]
-    else:
-        mse = torch.zeros(*c.shape, qz.rotated_dim, dtype=dtype, device=device)
+    mse = centroid_values(c, dtype) * c.norms.to(dtype)[..., None]
     if not qz.has_qjl:
         return mse, None
     signs = unpack_signs(c.qjl_signs, qz.qjl_dim, dtype)

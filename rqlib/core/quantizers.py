@@ -213,44 +213,52 @@ class Quantizer:
 
     # -- encode ----------------------------------------------------------------------------
 
-    def _as_float32(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _as_float32(self, x: torch.Tensor, name: str, validate: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
         if x.ndim == 0 or x.shape[-1] != self.d:
             raise ValueError(f"{name} must have last dimension d={self.d}, got {tuple(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
+        if validate and not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name} contains NaN or infinite values")
         return x.float()
 
-    def store_norms(self, values: torch.Tensor, name: str = "norm") -> torch.Tensor:
+    def store_norms(
+        self, values: torch.Tensor, name: str = "norm", validate: bool = True
+    ) -> torch.Tensor:
         """Norms rounded to ``norm_dtype`` (and to ``norm_mantissa_bits`` if set) for storage;
-        an overflow is an error, not an inf."""
+        an overflow is an error, not an inf. ``validate=False`` skips the checks that read
+        values back to the host (the caller checks finiteness itself)."""
         stored = values.to(self.norm_dtype)
         if self.norm_mantissa_bits is not None:
-            stored = round_fp16_mantissa(stored, self.norm_mantissa_bits)
-        if not bool(torch.isfinite(stored).all()):
+            stored = round_fp16_mantissa(stored, self.norm_mantissa_bits, validate=validate)
+        if validate and not bool(torch.isfinite(stored).all()):
             raise ValueError(
                 f"a {name} overflows {self.norm_dtype} (largest {float(values.max()):.3g}); "
                 "use norm_dtype=torch.float32"
             )
         return stored
 
-    def rotated_unit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotated_unit(
+        self, x: torch.Tensor, validate: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(‖x‖, R x/‖x‖)`` in float32: the first step of :meth:`quantize` (a zero vector
         gives a zero direction). Kernels call it too, so that their codes are bit-identical."""
-        x = self._as_float32(x, "x")
+        x = self._as_float32(x, "x", validate)
         norms = x.norm(dim=-1)
         unit = x / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
         return norms, self.rotation.apply(unit)
 
-    def quantize(self, x: torch.Tensor) -> CompressedVectors:
-        """Compress ``x [..., d]`` (float16/bfloat16/float32/float64; computed in float32)."""
-        norms, y = self.rotated_unit(x)
+    def quantize(self, x: torch.Tensor, validate: bool = True) -> CompressedVectors:
+        """Compress ``x [..., d]`` (float16/bfloat16/float32/float64; computed in float32).
+
+        ``validate=False`` skips the checks that read values back to the host (finite inputs,
+        no norm overflow): for callers that check finiteness themselves."""
+        norms, y = self.rotated_unit(x, validate)
         if self.mse_bits:
             indices = torch.bucketize(y.contiguous(), self.boundaries.to(y.device)).to(torch.uint8)
-            codes = pack_bits(indices, self.mse_bits)
+            codes = pack_bits(indices, self.mse_bits, validate=False)
             c_hat = self.centroids.to(y.device)[indices.long()]
         else:
             codes = torch.zeros(*y.shape[:-1], 0, dtype=torch.uint8, device=y.device)
@@ -260,8 +268,12 @@ class Quantizer:
             residual = y - c_hat
             projected = residual @ self.sketch.to(residual.device).T
             qjl_signs = pack_signs(projected >= 0)
-            residual_norms = self.store_norms(norms * residual.norm(dim=-1), "residual norm")
-        return CompressedVectors(codes, self.store_norms(norms), qjl_signs, residual_norms, self)
+            residual_norms = self.store_norms(
+                norms * residual.norm(dim=-1), "residual norm", validate
+            )
+        return CompressedVectors(
+            codes, self.store_norms(norms, validate=validate), qjl_signs, residual_norms, self
+        )
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -304,18 +316,21 @@ class Quantizer:
 FP16_EXPONENT_BITS, FP16_MANTISSA_BITS = 5, 10
 
 
-def round_fp16_mantissa(values: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+def round_fp16_mantissa(
+    values: torch.Tensor, mantissa_bits: int, validate: bool = True
+) -> torch.Tensor:
     """Round non-negative float16 ``values`` to ``mantissa_bits`` bits of mantissa (to nearest).
 
     Works on the bit pattern: adding half of the dropped unit and clearing the dropped bits
     rounds to nearest (ties away from zero), and a carry out of the mantissa correctly bumps the
     exponent. The result is exactly representable with 5 exponent and ``mantissa_bits`` bits.
+    ``validate=False`` skips the check for negative values (it reads them back to the host).
     """
     if values.dtype != torch.float16:
         raise TypeError(f"values must be float16, got {values.dtype}")
     if not 1 <= mantissa_bits <= FP16_MANTISSA_BITS:
         raise ValueError(f"mantissa_bits must be in 1..{FP16_MANTISSA_BITS}, got {mantissa_bits}")
-    if bool((values < 0).any()):
+    if validate and bool((values < 0).any()):
         raise ValueError("norms are non-negative; got a negative value")
     dropped = FP16_MANTISSA_BITS - mantissa_bits
     if dropped == 0:

@@ -6,10 +6,14 @@ right after writing the new keys and values to the cache. :func:`rqlib_attention
 the :class:`~rqlib.hf.cache.CompressedCache` installed for that module by
 :func:`rqlib.hf.compress` and lets the layer attend from its compressed contents.
 
-The mask function is ``sdpa_mask`` with both "skip" shortcuts disabled: it always returns an
-explicit boolean mask (True = attend), causal, with the padding and, for sliding-window
-layers, the window folded in. (With the shortcuts, ``sdpa_mask`` returns ``None`` for plain
-causal input, meaning "is_causal", which a custom attention must not mistake for "no mask".)
+The mask function never builds an ``[Lq, S]`` tensor for the masks transformers itself would
+let SDPA skip (plain causal, optionally with a sliding window, plus 2-d padding): it returns a
+:class:`~rqlib.kernels.state.CausalMask`, which the attention evaluates block by block (and the
+Triton kernel key by key). Any other mask (extra mask functions such as bidirectional image
+tokens, packed sequences) is materialized by ``sdpa_mask`` with both "skip" shortcuts disabled:
+an explicit boolean mask (True = attend). (With the shortcuts, ``sdpa_mask`` returns ``None``
+for plain causal input, meaning "is_causal", which a custom attention must not mistake for "no
+mask".)
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import weakref
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+
+from rqlib.kernels.state import CausalMask
 
 __all__ = ["ATTENTION_NAME", "register", "rqlib_attention", "rqlib_mask"]
 
@@ -28,11 +39,43 @@ ATTENTION_NAME = "rqlib"
 ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def rqlib_mask(*args, **kwargs) -> torch.Tensor:
-    """``sdpa_mask`` that always materializes the boolean mask (never ``None``)."""
-    kwargs["allow_is_causal_skip"] = False
-    kwargs["allow_is_bidirectional_skip"] = False
-    mask = sdpa_mask(*args, **kwargs)
+def rqlib_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    use_vmap: bool = False,
+    **kwargs,
+):
+    """A :class:`CausalMask` where transformers says the mask is plain causal (it allows the
+    causal skip: no extra mask function, no packed sequences), else ``sdpa_mask``'s explicit
+    boolean mask."""
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    plain = allow_is_causal_skip and not use_vmap
+    if local_size is None:
+        plain = plain and mask_function is causal_mask_function
+    if plain and not isinstance(q_offset, torch.Tensor):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        return CausalMask(batch_size, q_offset, q_length, kv_offset, kv_length, local_size, padding)
+    mask = sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        use_vmap=use_vmap,
+        **kwargs,
+    )
     if mask is None:  # cannot happen with both skips disabled; guard the contract anyway
         raise RuntimeError("sdpa_mask returned None with the skips disabled")
     return mask
@@ -62,16 +105,15 @@ def rqlib_attention(
     cache, layer_idx = entry
     if dropout:
         raise ValueError("the compressed cache is for inference: dropout must be 0 (call .eval())")
-    if attention_mask is None or attention_mask.dim() != 4:
+    if attention_mask is None:
         raise RuntimeError(
-            f"layer {layer_idx}: the compressed attention needs an explicit 4-d mask, got "
-            f"{None if attention_mask is None else tuple(attention_mask.shape)}"
+            f"layer {layer_idx}: the compressed attention needs a mask (a CausalMask or an "
+            "explicit boolean 4-d mask), got None; is the rqlib mask function registered?"
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     softcap = softcap if softcap is not None else getattr(module, "attn_logit_softcapping", None)
-    layer = cache.layers[layer_idx]
-    output = layer.attend(query, key, attention_mask, scaling, softcap)
+    output = cache.attend(layer_idx, query, key, attention_mask, scaling, softcap)
     return output, None
 
 

@@ -1,21 +1,33 @@
 """A ``transformers.Cache`` that stores keys and values compressed, and attends from them.
 
-Each :class:`CompressedLayer` holds, for every token seen so far (prefill and decode alike):
+Each :class:`CompressedLayer` holds, for every token seen so far (prefill and decode alike),
+in buffers written in place (:class:`rqlib.kernels.store.VectorRing`):
 
-- the keys compressed and bit-packed (``CompressedParts``), and the values compressed too, or
-  kept in full precision when the config's value bits are ``None``;
-- exact copies of the first ``n_sink`` tokens' keys and values;
-- copies of the last ``recent_window`` tokens' keys and values: a query at position ``i``
-  reads keys ``i-W+1..i`` from this band, so the next chunk needs the previous ``W-1`` tokens
-  (the ``W``-th is the current token, which a decode step computes anyway). The band is exact,
-  or, with band codecs (``wb=B``), stored as B-bit codes and read back decoded.
+- the keys compressed and bit-packed, and the values compressed too, or kept in full precision
+  when the config's value bits are ``None``; norms as bit fields of the width the bit accounting
+  counts (11 bits for ``nm=6``);
+- exact copies of the first ``n_sink`` tokens' keys and values (values only when compressed);
+- the recent band, a window of the last tokens: a query at position ``i`` reads keys
+  ``i-W+1..i`` from it. The band is exact, or, with band codecs (``wb=B``), B-bit codes.
 
-Layers listed in ``exact_layers`` store plain keys and values. The exact copies are stored in
-the model's dtype (fp32 in our runs, counted at that size by :meth:`CompressedCache.nbytes`);
-:func:`rqlib.study.eval.average_bits` counts them at 16 bits, as a deployed fp16 cache would.
+Layers listed in ``exact_layers`` store plain keys and values. A sliding-window layer (Gemma 3)
+keeps only the tokens its window can still see: older ones are evicted, not only masked.
 
-Every layer keeps every token (sliding-window layers too; their window is applied by the
-mask), so ``get_mask_sizes`` is ``(seen + new, 0)`` for all layers.
+A decode step appends one token to each stream (no copy that grows with the context) and runs
+one fused attention over the stored state (:func:`rqlib.kernels.attention`: the Triton kernel
+on CUDA, the torch implementation on CPU). A long prompt is attended in query and key blocks.
+
+Steps. Every forward is one step: the first layer update opens it, the last one completes it.
+If a forward fails part-way (an exception in a layer, or outside the cache between two layers),
+the step is rolled back (:meth:`CompressedCache.rollback`): at once when the failure happened in
+the cache's own code, else at the next update, with a warning. Every layer therefore always
+holds the same number of tokens, and :meth:`CompressedCache.get_seq_length` during an open step
+is the length before it.
+
+Copies. A cache is updated only inside the :func:`rqlib.hf.compress` block that made it; a copy
+(``copy.copy``, ``copy.deepcopy``, pickle) keeps the stored tokens but is never installed on a
+model, so updating it raises an error that says so (the model's own attention would otherwise
+read only the new tokens).
 
 Positions are cache slots: with left padding the sink is the first ``n_sink`` slots of each row
 (pad slots for a padded row, which the mask hides), so a padded row keeps fewer real tokens
@@ -24,34 +36,31 @@ exact than the same sequence unpadded; results stay correct, only less exact.
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from rqlib.core.gqa import fold_queries, unfold_queries
-from rqlib.hf.codec import CompressedParts, VectorCodec
+from rqlib import kernels
+from rqlib.hf.codec import VectorCodec
+from rqlib.kernels.state import AttentionState, CausalMask, DenseMask, Part, Stream
+from rqlib.kernels.store import VectorRing
 
 __all__ = ["CompressedCache", "CompressedLayer"]
 
-
-def _cat(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if old is None else torch.cat([old, new], dim=-2)
-
-
-def _grouped_matmul(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``weights [B, Hq, L, S] @ values [B, KV, S, d]``; query head ``h`` reads KV head ``h//G``."""
-    return unfold_queries(fold_queries(weights, values.shape[1]) @ values, weights.shape[1])
-
-
-def _grouped_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Exact ``q [B, Hq, L, d] . keys [B, KV, S, d]`` -> ``[B, Hq, L, S]`` (float32)."""
-    grouped = fold_queries(q.float(), keys.shape[1])
-    return unfold_queries(grouped @ keys.float().transpose(-1, -2), q.shape[1])
+#: Query chunks of up to this many tokens are "short" (decode, speculative chunks): windows keep
+#: this many slots more than they need, so that such chunks never reallocate them.
+SHORT_QUERY = 16
 
 
 class CompressedLayer(CacheLayerMixin):
-    """One layer of a :class:`CompressedCache` (see the module docstring for what it stores)."""
+    """One layer of a :class:`CompressedCache` (see the module docstring for what it stores).
 
-    is_sliding = False
+    ``sliding_window`` (``None`` for global layers): query ``i`` sees keys ``i-w+1..i`` only;
+    older tokens are evicted from storage.
+    """
+
     is_compileable = False
     is_croppable = False
 
@@ -63,16 +72,24 @@ class CompressedLayer(CacheLayerMixin):
         n_sink: int = 0,
         recent_window: int = 0,
         band_codecs: tuple[VectorCodec | None, VectorCodec | None] = (None, None),
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if band_codecs[0] is not None and not recent_window:
+            raise ValueError("band codecs need a recent band (recent_window > 0)")
+        if key_codec is None and value_codec is not None:
+            raise ValueError("an exact layer (no key codec) keeps its values exact too")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window!r}")
         self.layer_idx = layer_idx
         self.key_codec = key_codec
         self.value_codec = value_codec
-        self.n_sink = n_sink
-        self.recent_window = recent_window
+        self.n_sink = n_sink if key_codec is not None else 0
+        self.recent_window = recent_window if key_codec is not None else 0
         self.key_band_codec, self.value_band_codec = band_codecs
-        if band_codecs[0] is not None and not recent_window:
-            raise ValueError("band codecs need a recent band (recent_window > 0)")
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.backend = "auto"
         self.active = False  # set by rqlib.hf.compress for the duration of its block
         self.reset()
 
@@ -81,85 +98,197 @@ class CompressedLayer(CacheLayerMixin):
         """Whether this layer keeps keys and values exact (no key codec)."""
         return self.key_codec is None
 
+    # ---- copies --------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """Copies and pickles keep the tokens but are not installed on any model."""
+        state = self.__dict__.copy()
+        state["active"] = False
+        state["copied"] = True
+        return state
+
     # ---- the CacheLayerMixin interface -----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.dtype = key_states.dtype
+        """Allocate the (empty) streams for this batch, head count, dtype and device."""
+        batch, heads, _, dim = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.shape = (batch, heads, dim)
+
+        def ring(codec: VectorCodec | None, exact: bool = True):
+            if codec is None:
+                return Stream(
+                    exact=VectorRing(batch, heads, self.device, dim=dim, dtype=self.dtype)
+                )
+            parts = tuple(
+                Part(
+                    p.quantizer,
+                    p.channels,
+                    VectorRing(batch, heads, self.device, quantizer=p.quantizer),
+                )
+                for p in codec.parts
+            )
+            return Stream(parts=parts, mean=codec.mean, scale=codec.scale)
+
+        self.streams = {"keys": ring(self.key_codec), "values": ring(self.value_codec)}
+        if self.recent_window:
+            self.streams["band_keys"] = ring(self.key_band_codec)
+            if self.value_codec is not None:
+                self.streams["band_values"] = ring(self.value_band_codec)
+        self.sink_keys = self.sink_values = None
+        if self.n_sink:
+            shape = (batch, heads, self.n_sink, dim)
+            self.sink_keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.value_codec is not None:
+                self.sink_values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.is_initialized = True
 
     def reset(self) -> None:
         """Forget every token (the codecs stay)."""
         self.is_initialized = False
         self.length = 0
-        self.keys = self.values = None  # exact layers: all tokens; others: unused
-        self.compressed_keys: CompressedParts | None = None
-        self.compressed_values: CompressedParts | None = None
-        self.full_values: torch.Tensor | None = None  # values kept in full precision
+        self.keys = self.values = None  # transformers' attributes: this layer stores streams
+        self.streams: dict[str, Stream] = {}
         self.sink_keys = self.sink_values = None
-        self.recent_keys = self.recent_values = None
-        self._chunk: dict | None = None
+        self._last: tuple[int, int] | None = None  # (start, length) of the last update
+        self._chunk_keys: torch.Tensor | None = None
+        self._deferred_check: torch.Tensor | None = None
+
+    def _window(self, name: str) -> int | None:
+        """Tokens before a chunk that stream ``name`` must keep (``None``: all of them)."""
+        if name.startswith("band"):
+            return self.recent_window - 1
+        return None if self.sliding_window is None else self.sliding_window - 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append a chunk of new tokens; return it unchanged (attention reads this layer)."""
         if not self.active:
+            why = (
+                "it is a copy (copy, deepcopy or pickle), which no model uses"
+                if getattr(self, "copied", False)
+                else "it is used outside its rqlib.hf.compress(...) block"
+            )
             raise RuntimeError(
-                f"layer {self.layer_idx}: this CompressedCache is used outside its "
-                "rqlib.hf.compress(...) block; the model's own attention would read only the new "
-                "tokens"
+                f"layer {self.layer_idx}: this CompressedCache cannot be updated: {why}; the "
+                "model's own attention would read only the new tokens. Run the model inside "
+                "`with rqlib.hf.compress(model, config) as cache:` and pass that cache"
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._check_chunk(key_states, value_states)
         start, new = self.length, key_states.shape[-2]
-        chunk = {"start": start, "key_states": key_states}
-        if self.exact:
-            self.keys = _cat(self.keys, key_states)
-            self.values = _cat(self.values, value_states)
-        else:
-            keys_c = self.key_codec.encode(key_states)
-            self.compressed_keys = (
-                keys_c if self.compressed_keys is None else self.compressed_keys.cat(keys_c)
-            )
-            if self.value_codec is None:
-                self.full_values = _cat(self.full_values, value_states)
-            else:
-                values_c = self.value_codec.encode(value_states)
-                self.compressed_values = (
-                    values_c
-                    if self.compressed_values is None
-                    else self.compressed_values.cat(values_c)
-                )
-            # exact copies of values are needed only when the values are compressed
-            exact_values = self.value_codec is not None
-            if self.n_sink and start < self.n_sink:
-                take = self.n_sink - start
-                self.sink_keys = _cat(self.sink_keys, key_states[..., :take, :])
-                if exact_values:
-                    self.sink_values = _cat(self.sink_values, value_states[..., :take, :])
-            if self.recent_window:
-                band_keys, self.recent_keys = self._band(
-                    self.key_band_codec, self.recent_keys, key_states
-                )
-                chunk.update(band_start=start + new - band_keys.shape[-2], band_keys=band_keys)
-                if exact_values:
-                    chunk["band_values"], self.recent_values = self._band(
-                        self.value_band_codec, self.recent_values, value_states
-                    )
-        self.length = start + new
-        self._chunk = chunk
+        end = start + new
+        try:
+            self._store(start, end, key_states, value_states)
+        except BaseException:
+            for stream in self.streams.values():
+                for ring in stream.rings:
+                    ring.truncate(min(ring.end, start))
+            raise
+        self.length = end
+        self._last = (start, new)
+        self._chunk_keys = key_states
         return key_states, value_states
 
-    def _band(self, codec: VectorCodec | None, kept, new_states: torch.Tensor):
-        """The band this chunk's queries read (the kept tail, then the new tokens) and the tail
-        to keep for the next chunk: exact tensors, or ``codec`` codes decoded for reading."""
-        if codec is None:
-            band = _cat(kept, new_states)
-            return band, band[..., -self.recent_window :, :]
-        encoded = codec.encode(new_states)
-        parts = encoded if kept is None else kept.cat(encoded)
-        return codec.decode(parts), parts.tail(self.recent_window)
+    def _check_chunk(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, dim = self.shape
+        for name, t in (("keys", key_states), ("values", value_states)):
+            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (batch, heads, dim):
+                raise ValueError(
+                    f"layer {self.layer_idx}: {name} of shape {tuple(t.shape)} do not match this "
+                    f"cache's [batch={batch}, kv_heads={heads}, S, head_dim={dim}]"
+                )
+            if t.device != self.device or t.dtype != self.dtype:
+                raise ValueError(
+                    f"layer {self.layer_idx}: {name} are {t.dtype} on {t.device}; this cache holds "
+                    f"{self.dtype} on {self.device} (call reset() before a different model)"
+                )
+
+    def _store(self, start: int, end: int, key_states, value_states) -> None:
+        """Encode the chunk and write every stream at positions ``start .. end - 1``."""
+        backend = self._backend()
+        encoded, norms = {}, []
+        for name in self.streams:
+            states = key_states if "keys" in name else value_states
+            codec = self._codec(name)
+            if codec is None:
+                encoded[name] = (states,)
+                norms.append(states)
+            else:
+                parts = codec.encode(states, backend=backend, validate=False).parts
+                encoded[name] = parts
+                norms.extend(part.norms for part in parts)
+        self._check_finite(norms)
+        for name, stream in self.streams.items():
+            window = self._window(name)
+            keep_from = 0 if window is None else start - window
+            slack = 0 if window is None else SHORT_QUERY - 1
+            for ring, data in zip(stream.rings, encoded[name]):
+                ring.ensure(keep_from, end, slack)
+                ring.write(start, data)
+        if start < self.n_sink:
+            take = min(self.n_sink, end) - start
+            self.sink_keys[:, :, start : start + take] = key_states[:, :, :take]
+            if self.sink_values is not None:
+                self.sink_values[:, :, start : start + take] = value_states[:, :, :take]
+
+    def _codec(self, name: str) -> VectorCodec | None:
+        return {
+            "keys": self.key_codec,
+            "values": self.value_codec,
+            "band_keys": self.key_band_codec,
+            "band_values": self.value_band_codec,
+        }[name]
+
+    def _check_finite(self, tensors: list[torch.Tensor]) -> None:
+        """Refuse non-finite keys or values (and norms that overflow float16).
+
+        The stored norms (or the exact states) are finite exactly when the inputs are. On CPU
+        the check runs now; on CUDA reading the flag would stall the device, so it is kept on
+        the device and read at the next step boundary (:meth:`check_deferred`)."""
+        same = all(t.shape == tensors[0].shape for t in tensors)
+        if same:  # the norms of every codec: one check
+            finite = torch.isfinite(torch.stack(tensors)).all()
+        else:
+            finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        if self.device.type == "cuda":
+            self._deferred_check = (
+                finite if self._deferred_check is None else self._deferred_check & finite
+            )
+            return
+        if not bool(finite):
+            raise ValueError(
+                f"layer {self.layer_idx}: the new keys or values contain NaN or infinite values "
+                "(or a norm overflows float16); nothing was stored"
+            )
+
+    def check_deferred(self) -> None:
+        """Raise if the deferred finiteness check (CUDA) of the last update failed."""
+        flag, self._deferred_check = self._deferred_check, None
+        if flag is not None and not bool(flag):
+            raise ValueError(
+                f"layer {self.layer_idx}: non-finite keys or values were stored by the last step"
+            )
+
+    def rollback(self) -> None:
+        """Undo the last update (the previous contents of every stream survive one update)."""
+        if self._last is None:
+            raise RuntimeError(f"layer {self.layer_idx}: there is no update to roll back")
+        start, _ = self._last
+        for stream in self.streams.values():
+            for ring in stream.rings:
+                ring.truncate(start)
+        self.length = start
+        self._last = None
+        self._chunk_keys = None
+
+    def mask_sizes(self, length: int, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask for a chunk after ``length`` tokens."""
+        if self.sliding_window is None:
+            return length + query_length, 0
+        offset = max(0, length - self.sliding_window + 1)
+        return length + query_length - offset, offset
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.mask_sizes(self.length, query_length)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -171,24 +300,15 @@ class CompressedLayer(CacheLayerMixin):
         raise NotImplementedError("a CompressedCache cannot be cropped (no assisted decoding)")
 
     def _map_batch(self, fn) -> None:
-        for name in (
-            "keys",
-            "values",
-            "full_values",
-            "sink_keys",
-            "sink_values",
-            "recent_keys",
-            "recent_values",
-        ):
+        for stream in self.streams.values():
+            for ring in stream.rings:
+                ring.map_batch(fn)
+        for name in ("sink_keys", "sink_values"):
             tensor = getattr(self, name)
-            if isinstance(tensor, CompressedParts):  # a band kept as codes
-                setattr(self, name, tensor.map(fn))
-            elif tensor is not None:
+            if tensor is not None:
                 setattr(self, name, fn(tensor))
-        for name in ("compressed_keys", "compressed_values"):
-            parts = getattr(self, name)
-            if parts is not None:
-                setattr(self, name, parts.map(fn))
+        if self.is_initialized:
+            self.shape = (self.streams["keys"].rings[0].batch, *self.shape[1:])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -200,139 +320,313 @@ class CompressedLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
     # ---- memory --------------------------------------------------------------------------------
+    def stored_tokens(self) -> dict[str, int]:
+        """Tokens of one sequence each stream must hold now: all of them (a sliding layer: at most
+        its window), the band at most ``W``, the sink at most ``n_sink``."""
+        n = self.length
+        counts = {}
+        for name in self.streams:
+            if name.startswith("band"):
+                counts[name] = min(n, self.recent_window)
+            elif self.sliding_window is not None:
+                counts[name] = min(n, self.sliding_window)
+            else:
+                counts[name] = n
+        counts["sink"] = min(n, self.n_sink)
+        return counts
+
     def nbytes(self) -> int:
-        """Bytes this layer stores now (compressed parts at their packed size)."""
-        total = 0
-        for tensor in (
-            self.keys,
-            self.values,
-            self.full_values,
-            self.sink_keys,
-            self.sink_values,
-            self.recent_keys,
-            self.recent_values,
-        ):
-            if isinstance(tensor, CompressedParts):  # a band kept as codes
-                total += tensor.nbytes()
-            elif tensor is not None:
-                total += tensor.numel() * tensor.element_size()
-        for parts in (self.compressed_keys, self.compressed_values):
-            if parts is not None:
-                total += parts.nbytes()
+        """Bytes of the stored state (every batch row): the tokens of :meth:`stored_tokens` at
+        their stored size (packed codes, norm bit fields, exact vectors in the model's dtype)."""
+        if not self.is_initialized:
+            return 0
+        counts = self.stored_tokens()
+        total = sum(
+            ring.nbytes(counts[name])
+            for name, stream in self.streams.items()
+            for ring in stream.rings
+        )
+        for tensor in (self.sink_keys, self.sink_values):
+            if tensor is not None:
+                total += tensor[:, :, : counts["sink"]].numel() * tensor.element_size()
         return total
 
+    def reserved_nbytes(self) -> int:
+        """Bytes the buffers hold now, spare capacity included."""
+        total = sum(ring.reserved_nbytes() for s in self.streams.values() for ring in s.rings)
+        for tensor in (self.sink_keys, self.sink_values):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    def constant_nbytes(self) -> int:
+        """Bytes of this layer's calibrated constants (key means, channel scales, outlier
+        channel indices), shared by every sequence."""
+        total = 0
+        for codec in (self.key_codec, self.value_codec, self.key_band_codec, self.value_band_codec):
+            if codec is None:
+                continue
+            for tensor in (codec.mean, codec.scale, *(p.channels for p in codec.parts)):
+                if tensor is not None:
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    def reserve(self, tokens: int) -> None:
+        """Size the append-only streams for ``tokens`` tokens now (e.g. a prompt plus
+        ``max_new_tokens``), so that no step in between reallocates them."""
+        if not self.is_initialized:
+            raise RuntimeError(f"layer {self.layer_idx}: reserve() needs a first update")
+        for name, stream in self.streams.items():
+            if self._window(name) is None:
+                for ring in stream.rings:
+                    ring.ensure(0, tokens)
+
     # ---- attention -----------------------------------------------------------------------------
+    def _backend(self) -> str:
+        return kernels.select_attention_backend(self.device, self.backend)
+
+    def state(self) -> AttentionState:
+        """What the attention of the last chunk reads (see :class:`AttentionState`)."""
+        start, new = self._last
+        end = start + new
+        first = 0
+        if self.sliding_window is not None:
+            first = max(0, start - self.sliding_window + 1)
+        return AttentionState(
+            keys=self.streams["keys"],
+            values=self.streams["values"],
+            band_keys=self.streams.get("band_keys"),
+            band_values=self.streams.get("band_values"),
+            sink_keys=self.sink_keys,
+            sink_values=self.sink_values,
+            n_sink=min(self.n_sink, end),
+            band=self.recent_window,
+            start=start,
+            end=end,
+            first=first,
+        )
+
     def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
-        mask: torch.Tensor,
+        mask,
         scaling: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention output ``[B, Lq, Hq, d]`` of ``query`` over every token this layer holds.
 
         ``key`` must be the tensor this layer's latest ``update`` returned (proof that the model
-        wrote to this cache); ``mask`` is the boolean ``[B, 1, Lq, S]`` mask (True = attend).
+        wrote to this cache); ``mask`` a :class:`~rqlib.kernels.state.CausalMask` or a boolean
+        ``[B, 1, Lq, kv_length]`` tensor (True = attend) sized by :meth:`get_mask_sizes`.
         """
-        chunk = self._chunk
-        if chunk is None or key is not chunk["key_states"]:
+        if self._last is None or key is not self._chunk_keys:
             raise RuntimeError(
                 f"layer {self.layer_idx}: the attention received keys that this CompressedCache "
                 "did not produce; pass the cache yielded by rqlib.hf.compress(...) to the model"
             )
-        n_keys, length = self.length, query.shape[2]
-        if mask.dtype != torch.bool or mask.shape[-1] != n_keys or mask.shape[-2] != length:
+        start, new = self._last
+        if query.dim() != 4 or query.shape[2] != new or query.shape[0] != self.shape[0]:
             raise RuntimeError(
-                f"layer {self.layer_idx}: expected a boolean mask [B, 1, {length}, {n_keys}], got "
-                f"{tuple(mask.shape)} {mask.dtype}; is the rqlib mask function registered?"
+                f"layer {self.layer_idx}: expected queries [B={self.shape[0]}, Hq, {new}, d], "
+                f"got {tuple(query.shape)}"
             )
-        if self.exact:
-            scores = _grouped_scores(query, self.keys)
-            exact = None
-        else:
-            scores, exact = self._mixed_scores(query, chunk)
-        scores = scores * scaling
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1)
-        output = self._weighted_values(weights, exact, chunk)
+        mask = self._checked_mask(mask, start, new)
+        output = kernels.attention(
+            self.state(), query, mask, scale=scaling, softcap=softcap, backend=self._backend()
+        )
         return output.to(query.dtype).transpose(1, 2).contiguous()
 
-    def _exact_positions(self, length: int, device) -> torch.Tensor:
-        """Boolean ``[Lq, S]``: which (query, key) pairs read exact keys and values."""
-        queries = torch.arange(self.length - length, self.length, device=device)[:, None]
-        keys = torch.arange(self.length, device=device)[None, :]
-        exact = keys < self.n_sink
-        if self.recent_window:
-            exact = exact | ((keys <= queries) & (keys > queries - self.recent_window))
-        return exact
-
-    def _mixed_scores(self, query: torch.Tensor, chunk: dict):
-        scores = self.key_codec.scores(query, self.compressed_keys)
-        exact = self._exact_positions(query.shape[2], query.device)
-        if self.recent_window:
-            first = chunk["band_start"]
-            band = _grouped_scores(query, chunk["band_keys"])
-            scores[..., first:] = torch.where(exact[:, first:], band, scores[..., first:])
-        if self.sink_keys is not None:  # after the band: a pair in both reads the exact sink
-            n = self.sink_keys.shape[-2]
-            sink = _grouped_scores(query, self.sink_keys)
-            scores[..., :n] = torch.where(exact[:, :n], sink, scores[..., :n])
-        return scores, exact
-
-    def _weighted_values(self, weights: torch.Tensor, exact: torch.Tensor | None, chunk: dict):
-        if self.exact:
-            return _grouped_matmul(weights, self.values.float())
-        if self.value_codec is None:
-            return _grouped_matmul(weights, self.full_values.float())
-        decoded = self.value_codec.decode(self.compressed_values)
-        output = _grouped_matmul(weights.masked_fill(exact, 0.0), decoded)
-        if self.sink_values is not None:
-            n = self.sink_values.shape[-2]
-            sink_weights = weights[..., :n] * exact[:, :n]
-            output = output + _grouped_matmul(sink_weights, self.sink_values.float())
-        if self.recent_window:
-            first = chunk["band_start"]
-            # a pair inside both the sink and the band is counted once: the sink took it
-            band_exact = exact[:, first:].clone()
-            if self.sink_values is not None and first < self.sink_values.shape[-2]:
-                band_exact[:, : self.sink_values.shape[-2] - first] = False
-            band_weights = weights[..., first:] * band_exact
-            output = output + _grouped_matmul(band_weights, chunk["band_values"].float())
-        return output
+    def _checked_mask(self, mask, start: int, new: int):
+        """The mask as a CausalMask / DenseMask, checked against this chunk (no host sync)."""
+        kv_length, kv_offset = self.mask_sizes(start, new)
+        if isinstance(mask, CausalMask):
+            expected = (self.shape[0], start, new, kv_offset, kv_length)
+            got = (mask.batch, mask.q_offset, mask.q_length, mask.kv_offset, mask.kv_length)
+            window_ok = mask.window == self.sliding_window or (
+                mask.window is not None and self.sliding_window is None
+            )
+            if got != expected or not window_ok:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: the mask covers (batch, first query, queries, "
+                    f"first key, keys) = {got} with window {mask.window}; this chunk needs "
+                    f"{expected} with window {self.sliding_window}; is the rqlib mask function "
+                    "registered?"
+                )
+            return mask
+        if (
+            not isinstance(mask, torch.Tensor)
+            or mask.dtype != torch.bool
+            or mask.dim() != 4
+            or mask.shape[-2:] != (new, kv_length)
+        ):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: expected a boolean mask [B, 1, {new}, {kv_length}] or a "
+                f"CausalMask, got {getattr(mask, 'shape', type(mask).__name__)}; is the rqlib mask "
+                "function registered?"
+            )
+        return DenseMask(mask, kv_offset)
 
 
 class CompressedCache(Cache):
     """A cache of :class:`CompressedLayer` objects, one per decoder layer; built by
-    :func:`rqlib.hf.compress`, which also records the config it implements."""
+    :func:`rqlib.hf.compress`, which also records the config it implements.
+
+    Step protocol (see the module docstring): :meth:`begin_step`, :meth:`commit` and
+    :meth:`rollback` are called by :meth:`update` and :meth:`attend`; callers may also call
+    them directly, e.g. to abandon a forward they stopped themselves.
+    """
 
     def __init__(self, layers: list[CompressedLayer], config, model_id: int) -> None:
         super().__init__(layers=layers)
         self.config = config
         self.model_id = model_id
+        self._step_start: int | None = None  # length before the open step (None: no step)
+        self._updated: list[int] = []  # layers updated in the open (or last) step
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_step_start"], state["_updated"] = None, []
+        return state
+
+    def __copy__(self) -> CompressedCache:
+        """A copy is independent (as a deep copy): sharing layers would share their tokens."""
+        return copy.deepcopy(self)
 
     def set_active(self, active: bool) -> None:
         """Allow (or forbid) updates: only inside the compress() block that made the cache."""
         for layer in self.layers:
             layer.active = active
+            if active:
+                layer.copied = False
+
+    def set_backend(self, backend: str) -> None:
+        """Run the attention with ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA,
+        torch on CPU). ``"triton"`` on CPU needs ``TRITON_INTERPRET=1`` (the tests use it)."""
+        if backend not in kernels.BACKENDS:
+            raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
+        for layer in self.layers:
+            layer.backend = backend
+
+    # ---- steps ---------------------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        """Whether a forward is under way (some layers updated, not all)."""
+        return self._step_start is not None
+
+    def begin_step(self) -> None:
+        """Open a step. An incomplete previous step is rolled back first, with a warning; a
+        previous step that stored non-finite values (checked here on CUDA) is rolled back and
+        reported as an error."""
+        if self.in_step:
+            updated = list(self._updated)
+            self.rollback()
+            warnings.warn(
+                f"the previous forward stopped after updating layers {updated} of "
+                f"{len(self.layers)}; those tokens were rolled back so that every layer holds "
+                f"{self.get_seq_length()} tokens",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        for layer in self.layers:
+            try:
+                layer.check_deferred()
+            except ValueError as error:
+                self.rollback()
+                error.add_note(f"that step was rolled back to {self.get_seq_length()} tokens")
+                raise
+        lengths = {layer.length for layer in self.layers}
+        if len(lengths) != 1:
+            raise RuntimeError(
+                f"the layers of this cache hold different numbers of tokens {sorted(lengths)}; "
+                "reset() it"
+            )
+        self._step_start = lengths.pop()
+        self._updated = []
+
+    def commit(self) -> None:
+        """Close the open step (every layer was updated); it can still be rolled back until the
+        next step begins."""
+        self._step_start = None
+
+    def rollback(self) -> bool:
+        """Undo the open step, or the last complete one if none is open: every layer updated in
+        it goes back to the length before it. Returns whether anything was undone."""
+        undone = False
+        for index in self._updated:
+            layer = self.layers[index]
+            if layer._last is not None:
+                layer.rollback()
+                undone = True
+        self._step_start = None
+        self._updated = []
+        return undone
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """``CompressedLayer.update`` of ``layer_idx`` within the step protocol."""
+        if not self.in_step or layer_idx in self._updated:
+            self.begin_step()
+        try:
+            result = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        except BaseException as error:
+            if self.rollback():
+                error.add_note(f"the cache was rolled back to {self.get_seq_length()} tokens")
+            raise
+        self._updated.append(layer_idx)
+        if len(self._updated) == len(self.layers):
+            self.commit()
+        return result
+
+    def attend(self, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        """``CompressedLayer.attend`` of ``layer_idx``; a failure rolls the step back."""
+        try:
+            return self.layers[layer_idx].attend(*args, **kwargs)
+        except BaseException as error:
+            if self.rollback():
+                error.add_note(f"the cache was rolled back to {self.get_seq_length()} tokens")
+            raise
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held (during an open step: before it, as the model saw when it started)."""
+        if self.in_step:
+            return self._step_start
+        return self.layers[layer_idx].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        layer = self.layers[layer_idx]
+        return layer.mask_sizes(self.get_seq_length(layer_idx), query_length)
+
+    def reset(self) -> None:
+        super().reset()
+        self._step_start, self._updated = None, []
+
+    # ---- memory --------------------------------------------------------------------------------
+    def reserve(self, tokens: int) -> None:
+        """:meth:`CompressedLayer.reserve` on every layer."""
+        for layer in self.layers:
+            layer.reserve(tokens)
 
     def nbytes(self) -> int:
-        """Bytes stored by all layers now."""
+        """Bytes of the stored state of all layers (see :meth:`CompressedLayer.nbytes`)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def reserved_nbytes(self) -> int:
+        """Bytes all buffers hold now, spare capacity included."""
+        return sum(layer.reserved_nbytes() for layer in self.layers)
+
+    def constant_nbytes(self) -> int:
+        """Bytes of the calibrated constants of all layers."""
+        return sum(layer.constant_nbytes() for layer in self.layers)
 
     def bytes_per_token(self) -> float:
         """Stored bytes per token of one sequence (``nbytes / (batch * tokens)``)."""
         length = self.get_seq_length()
         if length == 0:
             raise ValueError("the cache is empty: bytes_per_token needs at least one token")
-        batch = self._batch_size()
-        return self.nbytes() / (batch * length)
+        return self.nbytes() / (self._batch_size() * length)
 
     def _batch_size(self) -> int:
         for layer in self.layers:
-            chunk = layer._chunk
-            if chunk is not None:
-                return chunk["key_states"].shape[0]
+            if layer.is_initialized:
+                return layer.shape[0]
         raise ValueError("the cache is empty")

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from rqlib import kernels
+from rqlib.core.estimator import centroid_values
 from rqlib.core.gqa import expand_kv_heads, group_size
+from rqlib.core.packing import pack_codes
+from rqlib.core.quantizers import CompressedVectors
 from rqlib.kernels import limits, reference
 
 __all__ = [
@@ -196,15 +199,36 @@ class VectorCodec:
             x = x * self.scale.to(x.device, x.dtype)[None, :, None, :]
         return x
 
-    def encode(self, x: torch.Tensor) -> CompressedParts:
-        """Compress ``x`` ``[B, KV, S, d]``."""
+    def encode(
+        self, x: torch.Tensor, *, backend: str = "torch", validate: bool = True
+    ) -> CompressedParts:
+        """Compress ``x`` ``[B, KV, S, d]``; the quantizers run on ``backend``
+        (:func:`rqlib.kernels.quantize`; on the torch backend an MSE quantizer's steps run here,
+        from its own primitives, so that the rotated vectors feed the norm correction).
+        ``validate=False`` skips the checks that read values back to the host (finite input, no
+        norm overflow): the caller checks the norms."""
         x = self._prepared(x.float())
         out = []
         for part in self.parts:
             sub = _gather_channels(x, part.channels)
-            compressed = part.quantizer.quantize(sub)
+            qz = part.quantizer
+            if backend == "torch" and qz.mse_bits and not qz.has_qjl:
+                norms, y = qz.rotated_unit(sub, validate)
+                indices = torch.bucketize(y, _on(qz.boundaries, y))
+                codes = pack_codes(indices, qz.mse_bits)
+                if self.norm_correction:
+                    c_hat = _on(qz.centroids, y)[indices]
+                    norms = _least_squares_norms(qz, norms, y, c_hat)
+                stored = qz.store_norms(norms, validate=validate)
+                out.append(CompressedVectors(codes, stored, None, None, qz))
+                continue
+            compressed = kernels.quantize(qz, sub, backend=backend, validate=validate)
             if self.norm_correction:
-                compressed = _correct_norms(sub, compressed)
+                norms, y = qz.rotated_unit(sub, False)
+                norms = _least_squares_norms(qz, norms, y, centroid_values(compressed))
+                compressed = dataclasses.replace(
+                    compressed, norms=qz.store_norms(norms, validate=validate)
+                )
             out.append(compressed)
         return CompressedParts(tuple(out))
 
@@ -247,11 +271,21 @@ class VectorCodec:
         return total
 
 
-def _correct_norms(x: torch.Tensor, compressed):
-    """Store ``norm * <x, x_hat>/||x_hat||^2`` so the reconstruction is the least-squares fit."""
-    x_hat = compressed.quantizer.dequantize(compressed).float()
-    numerator = (x * x_hat).sum(-1)
-    denominator = (x_hat * x_hat).sum(-1)
-    scale = torch.where(denominator > 0, numerator / denominator.clamp_min(1e-30), 1.0)
-    norms = compressed.quantizer.store_norms(compressed.norms.float() * scale)
-    return dataclasses.replace(compressed, norms=norms)
+def _on(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``like``'s device (no dispatch when it is there already)."""
+    return t if t.device == like.device else t.to(like.device)
+
+
+def _least_squares_norms(qz, norms: torch.Tensor, y: torch.Tensor, c_hat: torch.Tensor):
+    """Norm correction: ``<x, x_hat> / ||x_hat / norm||^2`` instead of ``||x||``, so that the
+    reconstruction ``x_hat`` is the least-squares fit of ``x`` along its direction.
+
+    In the rotated space ``x_hat / norm = R^T c_hat`` and ``y = R x / ||x||``, so ``<x, R^T c_hat>
+    = ||x|| <y, c_hat>``; ``||R^T c_hat|| = ||c_hat||`` for square rotations (rotor blocks pad
+    ``d``: there the norm is taken after rotating back). An all-zero ``c_hat`` keeps the norm."""
+    numerator = (y * c_hat).sum(-1)
+    if qz.rotated_dim == qz.d:
+        denominator = (c_hat * c_hat).sum(-1)
+    else:
+        denominator = (c_hat @ _on(qz.rotation.matrix, c_hat)).pow(2).sum(-1)
+    return torch.where(denominator > 0, norms * numerator / denominator.clamp_min(1e-30), norms)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rqlib import kernels
 from rqlib.hf import attention
 from rqlib.hf.cache import CompressedCache, CompressedLayer
 from rqlib.hf.calibration import Calibration, calibrate, top_channels
@@ -147,8 +148,9 @@ def _layer(
     """One layer of the cache: its codecs from :func:`rqlib.spec.codecs.layer_plan`, with the
     calibrated means, channel scales and outlier channels filled in."""
     plan = layer_plan(config, layer, n_layers, head_dim)
+    sliding_window = getattr(module, "sliding_window", None)  # Gemma 3's local layers
     if plan.exact:
-        return CompressedLayer(layer, None, None)
+        return CompressedLayer(layer, None, None, sliding_window=sliding_window)
     key_mean = calibration.key_means[layer] if config.center_keys else None
     key_energy = None
     if config.needs_calibration:
@@ -181,7 +183,14 @@ def _layer(
         config.n_sink,
         config.recent_window,
         (key_band, value_band),
+        sliding_window=sliding_window,
     )
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    """Whether the model's weights (hence its keys and values) live on a CUDA device."""
+    parameter = next(model.parameters(), None)
+    return parameter is not None and parameter.device.type == "cuda"
 
 
 def build_cache(
@@ -189,7 +198,11 @@ def build_cache(
     config: CompressionConfig,
     calibration: Calibration | None = None,
 ) -> CompressedCache:
-    """A fresh :class:`CompressedCache` for ``model`` implementing a resolved ``config``."""
+    """A fresh :class:`CompressedCache` for ``model`` implementing a resolved ``config``.
+
+    On CUDA the attention runs in one fused Triton kernel; a config it cannot serve (e.g.
+    outlier channel splits ``ko``/``vo``/``out``) is refused here with a message naming the
+    feature, rather than run on a slow path."""
     modules = attention_modules(model)
     head_dim = model_geometry(model).head_dim
     _check_buildable(config, head_dim, calibration)
@@ -199,6 +212,11 @@ def build_cache(
         _layer(config, index, module, head_dim, n_layers, calibration)
         for index, module in enumerate(modules)
     ]
+    if _on_cuda(model):
+        for layer in layers:  # the fused kernel serves every preset; refuse what it cannot
+            kernels.check_layer(
+                layer.key_codec, layer.value_codec, layer.key_band_codec, layer.value_band_codec
+            )
     return CompressedCache(layers, config, id(model))
 
 

@@ -3,9 +3,11 @@
 Public functions (each validates its input, then runs on the backend :func:`select_backend`
 picks):
 
-- :func:`quantize`          a Quantizer's ``quantize``, with bucketize + pack (+ QJL) fused
-- :func:`fused_scores`      attention scores straight from packed keys, [B, QH, Lq, S] float32
-- :func:`decode_attention`  one decode step: scores, online softmax, P.V, partition + reduce
+- :func:`quantize`      a Quantizer's ``quantize``, with bucketize + pack (+ QJL) fused
+- :func:`fused_scores`  attention scores straight from packed keys, [B, QH, Lq, S] float32
+- :func:`attention`     attention over one layer of the compressed cache (its stored streams,
+  sink and recent band), fused: one kernel (and a reduce) per layer and step, or a prompt in
+  query and key blocks
 
 Backends: CUDA tensors run the Triton kernels (``RuntimeError`` if triton cannot be imported:
 there is no slow path); CPU tensors run the pure-torch references of
@@ -22,12 +24,21 @@ import os
 
 import torch
 
+from rqlib.core.gqa import group_size as gqa_group
 from rqlib.kernels import limits as geo
 from rqlib.kernels import reference
 
 BACKENDS = ("auto", "triton", "torch")
 
-__all__ = ["BACKENDS", "decode_attention", "fused_scores", "quantize", "select_backend"]
+__all__ = [
+    "BACKENDS",
+    "attention",
+    "check_layer",
+    "fused_scores",
+    "quantize",
+    "select_attention_backend",
+    "select_backend",
+]
 
 
 def _interpreting() -> bool:
@@ -102,78 +113,73 @@ def fused_scores(
     return _launch_module().fused_scores(q, keys, float(scale), out)
 
 
-def decode_attention(
+def select_attention_backend(device: torch.device, backend: str | None = None) -> str:
+    """The backend of :func:`attention` for tensors on ``device``: ``"auto"`` is Triton on CUDA
+    and torch on CPU (the interpreter is far too slow to be a default); ``"triton"`` and
+    ``"torch"`` force one (see :func:`select_backend`)."""
+    backend = "auto" if backend is None else backend
+    if backend == "auto" and torch.device(device).type != "cuda":
+        return "torch"
+    return select_backend(device, backend)
+
+
+def attention(
+    state,
     q: torch.Tensor,
-    keys,
-    values,
+    mask,
     *,
     scale: float,
-    sink_keys: torch.Tensor | None = None,
-    sink_values: torch.Tensor | None = None,
-    recent_keys: torch.Tensor | None = None,
-    recent_values: torch.Tensor | None = None,
-    window: int | None = None,
-    partition_size: int = geo.DEFAULT_PARTITION,
+    softcap: float | None = None,
     backend: str | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step of attention over a compressed cache; returns [B, QH, 1, d] in q's dtype.
+    """Attention of ``q`` ``[B, Hq, Lq, d]`` over one layer of the compressed cache.
 
-    ``q`` [batch, q_heads, 1, d] is the query at position S-1; ``keys`` a CompressedVectors
-    [batch, kv_heads, S]; ``values`` a float tensor [batch, kv_heads, S, d] or an MSE
-    CompressedVectors [batch, kv_heads, S]. ``sink_keys`` / ``recent_keys`` [B, KV, n, d] are the
-    exact first / last n keys and replace the compressed ones at those positions;
-    ``sink_values`` / ``recent_values`` do the same for compressed values (they must be given
-    exactly when the matching keys are, and only with compressed values). ``window``: keys at
-    positions < S - window are invisible (sliding-window layers). Computed in float32;
-    ``partition_size`` keys per partition of the split softmax (a multiple of 16).
+    ``state`` is an :class:`~rqlib.kernels.state.AttentionState` (the stored streams; the
+    queries sit at positions ``state.start .. state.end - 1``), ``mask`` a
+    :class:`~rqlib.kernels.state.CausalMask` or :class:`~rqlib.kernels.state.DenseMask`.
+    Returns float32 ``[B, Hq, Lq, d]``. The same semantics run in torch
+    (:func:`rqlib.kernels.reference.attention`) and in one fused Triton kernel
+    (:mod:`rqlib.kernels.triton_attention`); a state the kernel cannot serve raises
+    ``ValueError`` naming the feature (:func:`rqlib.kernels.limits.check_state`).
     """
-    _check_decode_inputs(
-        q,
-        keys,
-        values,
-        sink_keys,
-        sink_values,
-        recent_keys,
-        recent_values,
-        window,
-        partition_size,
-    )
-    if out is not None:
-        _check_out(out, tuple(q.shape), q.device, dtype=q.dtype)
-    options = dict(
-        scale=scale,
-        sink_keys=sink_keys,
-        sink_values=sink_values,
-        recent_keys=recent_keys,
-        recent_values=recent_values,
-        window=window,
-    )
-    if select_backend(q.device, backend) == "torch":
-        result = reference.decode_attention(q, keys, values, **options).to(q.dtype)
-        return result if out is None else out.copy_(result)
-    result = _launch_module().decode_attention(
-        q, keys, values, partition_size=partition_size, out=None, **options
-    )
-    result = result.to(q.dtype)
-    return result if out is None else out.copy_(result)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
+        raise ValueError("q must be a float tensor [batch, q_heads, q_len, head_dim]")
+    if q.shape[2] != state.end - state.start:
+        raise ValueError(
+            f"q holds {q.shape[2]} positions but the state's chunk is "
+            f"{state.start}..{state.end - 1}"
+        )
+    gqa_group(q.shape[1], state.keys.rings[0].heads)
+    if select_attention_backend(q.device, backend) == "torch":
+        return reference.attention(state, q, mask, scale=scale, softcap=softcap)
+    geo.check_query(q)
+    geo.check_state(state)
+    return _launch_module().attention(state, q, mask, float(scale), softcap)
 
 
-def quantize(quantizer, x: torch.Tensor, *, backend: str | None = None):
+def check_layer(keys, values, band_keys=None, band_values=None) -> None:
+    """Raise ``ValueError`` naming the feature unless the fused attention serves a layer with
+    these codecs (``None``: kept exact): :func:`rqlib.kernels.limits.check_codecs`."""
+    geo.check_codecs(keys, values, band_keys, band_values)
+
+
+def quantize(quantizer, x: torch.Tensor, *, backend: str | None = None, validate: bool = True):
     """``quantizer.quantize(x)`` computed by the fused kernel: bit-identical codes.
 
     Rotation and normalization run in torch with the quantizer's own operations; bucketize,
     packing, residual, sketch, sign packing and the residual norm run in one Triton kernel
     (see :mod:`rqlib.kernels.triton_quantize` for why the rotation stays in torch).
+    ``validate=False`` skips the checks that read values back to the host (finite input, no
+    norm overflow).
     """
-    geo.check_quantizer(quantizer, "quantizer")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError("x must be a floating-point torch.Tensor")
     if x.shape[-1] != quantizer.d:
         raise ValueError(f"x must have last dimension {quantizer.d}, got {tuple(x.shape)}")
     if select_backend(x.device, backend) == "torch":
-        return reference.quantize(quantizer, x)
-    return _launch_module().quantize(quantizer, x)
+        return reference.quantize(quantizer, x, validate=validate)
+    geo.check_quantizer(quantizer, "quantizer")
+    return _launch_module().quantize(quantizer, x, validate=validate)
 
 
 def _check_out(out: torch.Tensor, shape, device, dtype=torch.float32) -> None:
@@ -193,78 +199,3 @@ def _check_scores_inputs(q: torch.Tensor, keys) -> None:
     if keys.norms.device != q.device:
         raise ValueError(f"q is on {q.device} but keys are on {keys.norms.device}")
     geo.group_size(q.shape[1], keys.shape[1])
-
-
-def _check_exact(t: torch.Tensor | None, name: str, q: torch.Tensor, kv_heads: int, kv_len: int):
-    if t is None:
-        return 0
-    if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
-        raise ValueError(f"{name} must be a float tensor [batch, kv_heads, n, head_dim]")
-    batch, _, _, head_dim = q.shape
-    if (t.shape[0], t.shape[1], t.shape[3]) != (batch, kv_heads, head_dim):
-        raise ValueError(
-            f"{name} must be [{batch}, {kv_heads}, n, {head_dim}], got {tuple(t.shape)}"
-        )
-    if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if t.shape[2] > kv_len:
-        raise ValueError(f"{name} holds {t.shape[2]} tokens but the cache only {kv_len}")
-    return t.shape[2]
-
-
-def _check_decode_inputs(
-    q, keys, values, sink_keys, sink_values, recent_keys, recent_values, window, partition_size
-) -> None:
-    _check_scores_inputs(q, keys)
-    if q.shape[2] != 1:
-        raise ValueError(f"decode_attention takes one query position, got q_len {q.shape[2]}")
-    batch, kv_heads, kv_len = keys.shape
-    if kv_len < 1:
-        raise ValueError("decode_attention needs at least one key")
-    head_dim = q.shape[-1]
-    if isinstance(values, torch.Tensor):
-        if values.shape != (batch, kv_heads, kv_len, head_dim):
-            raise ValueError(
-                f"values must be [{batch}, {kv_heads}, {kv_len}, {head_dim}], "
-                f"got {tuple(values.shape)}"
-            )
-        if values.dtype not in geo.SUPPORTED_VALUE_DTYPES:
-            raise ValueError(
-                f"values dtype {values.dtype} not supported; use {geo.SUPPORTED_VALUE_DTYPES}"
-            )
-        if values.device != q.device:
-            raise ValueError(f"values are on {values.device}, q on {q.device}")
-        if sink_values is not None or recent_values is not None:
-            raise ValueError(
-                "sink_values / recent_values are only for compressed values; full-precision "
-                "values are already exact"
-            )
-    else:
-        geo.check_compressed(values, "values", ndim=3)
-        if tuple(values.shape) != tuple(keys.shape):
-            raise ValueError(f"values shape {tuple(values.shape)} != keys {tuple(keys.shape)}")
-        if values.quantizer.has_qjl or values.quantizer.mse_bits == 0:
-            raise ValueError("compressed values must come from an MSE quantizer (no QJL)")
-        if values.quantizer.d != head_dim:
-            raise ValueError(f"values head_dim {values.quantizer.d} != q head_dim {head_dim}")
-        if (sink_keys is None) != (sink_values is None):
-            raise ValueError("with compressed values give sink_keys and sink_values together")
-        if (recent_keys is None) != (recent_values is None):
-            raise ValueError("with compressed values give recent_keys and recent_values together")
-    n_sink = _check_exact(sink_keys, "sink_keys", q, kv_heads, kv_len)
-    n_recent = _check_exact(recent_keys, "recent_keys", q, kv_heads, kv_len)
-    if (
-        sink_values is not None
-        and _check_exact(sink_values, "sink_values", q, kv_heads, kv_len) != n_sink
-    ):
-        raise ValueError("sink_values must hold as many tokens as sink_keys")
-    if recent_values is not None and (
-        _check_exact(recent_values, "recent_values", q, kv_heads, kv_len) != n_recent
-    ):
-        raise ValueError("recent_values must hold as many tokens as recent_keys")
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if partition_size < geo.DECODE_BLOCK_S or partition_size % geo.DECODE_BLOCK_S:
-        raise ValueError(f"partition_size must be a positive multiple of {geo.DECODE_BLOCK_S}")

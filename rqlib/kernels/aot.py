@@ -33,7 +33,7 @@ import torch
 from rqlib.kernels import limits as geo
 
 ARCHS = (80, 90, 100)
-FLOAT_ARGS = {"qjl_scale", "scale"}
+FLOAT_ARGS = {"qjl_scale", "scale", "softcap", "k_qjl_scale"}
 TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -62,18 +62,27 @@ KEY_POINTERS = {
     "rnorms_ptr": "fp16",
 }
 SCORES_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.SCORES_BLOCK_S, "CHUNK": geo.CHUNK}
-DECODE_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.DECODE_BLOCK_S, "CHUNK": geo.CHUNK}
+ATTENTION_TILE = {
+    "BLOCK_ROWS": geo.BLOCK_ROWS,
+    "BLOCK_S": geo.ATTENTION_BLOCK_S,
+    "CHUNK": geo.CHUNK,
+}
+#: uint8 buffers of the attention kernel (codes, norm streams, signs, the mask)
+ATTENTION_BYTES = (
+    "k_codes_ptr k_norms_ptr k_signs_ptr k_rnorms_ptr v_codes_ptr v_norms_ptr bk_codes_ptr "
+    "bk_norms_ptr bv_codes_ptr bv_norms_ptr mask_ptr"
+).split()
+#: exact vectors of the attention kernel, in the layer's dtype
+ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr sink_v_ptr".split()
 
 
-def decode_value_blocks() -> tuple[set[int], set[int]]:
-    """Accumulator widths for full-precision values and for compressed values."""
-    full = {geo.value_block(d) for d in geo.SUPPORTED_HEAD_DIMS}
-    compressed = {
-        geo.value_block(max(width, d))
+def attention_blocks() -> set[int]:
+    """Accumulator widths the host can pick: the widest of d and the rotated value dims."""
+    return {
+        geo.value_block(max(d, width))
         for d in geo.SUPPORTED_HEAD_DIMS
         for width in geo.rotated_dims(d)
     }
-    return full, compressed
 
 
 def specializations() -> list[Specialization]:
@@ -87,30 +96,16 @@ def specializations() -> list[Specialization]:
             {"codes_ptr": "u8", "signs_ptr": "u8"},
         ),
     ]
-    full, compressed = decode_value_blocks()
-    for dtype in geo.SUPPORTED_VALUE_DTYPES:
-        for block in sorted(full):
+    for dtype in geo.SUPPORTED_EXACT_DTYPES:
+        pointers = {name: "u8" for name in ATTENTION_BYTES}
+        pointers.update({name: TRITON_DTYPES[dtype] for name in ATTENTION_EXACT})
+        for block in sorted(attention_blocks()):
             specs.append(
-                Specialization(
-                    "decode_partition_kernel",
-                    {"V_COMPRESSED": False, "BLOCK_V": block, **DECODE_TILE},
-                    {**KEY_POINTERS, "v_ptr": TRITON_DTYPES[dtype], "v_norms_ptr": "fp16"},
-                )
+                Specialization("attention_kernel", {"BLOCK_V": block, **ATTENTION_TILE}, pointers)
             )
-    for block in sorted(compressed):
-        specs.append(
-            Specialization(
-                "decode_partition_kernel",
-                {"V_COMPRESSED": True, "BLOCK_V": block, **DECODE_TILE},
-                {**KEY_POINTERS, "v_ptr": "u8", "v_norms_ptr": "fp16"},
-            )
-        )
-    for block in sorted(full | compressed):
-        specs.append(
-            Specialization(
-                "decode_reduce_kernel", {"BLOCK_V": block}, num_warps=geo.REDUCE_NUM_WARPS
-            )
-        )
+    specs.append(
+        Specialization("reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS)
+    )
     return specs
 
 
@@ -118,15 +113,15 @@ def kernel_objects() -> dict:
     """The JITFunctions by name (refuses interpreted kernels, which cannot be compiled)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("AOT compilation needs TRITON_INTERPRET unset (run in a subprocess)")
-    from rqlib.kernels.triton_decode import decode_partition_kernel, decode_reduce_kernel
+    from rqlib.kernels.triton_attention import attention_kernel, reduce_kernel
     from rqlib.kernels.triton_quantize import quantize_kernel
     from rqlib.kernels.triton_scores import fused_scores_kernel
 
     return {
         "fused_scores_kernel": fused_scores_kernel,
         "quantize_kernel": quantize_kernel,
-        "decode_partition_kernel": decode_partition_kernel,
-        "decode_reduce_kernel": decode_reduce_kernel,
+        "attention_kernel": attention_kernel,
+        "reduce_kernel": reduce_kernel,
     }
 
 

@@ -14,7 +14,7 @@ import torch
 from rqlib.core.packing import packed_size
 from rqlib.core.quantizers import CompressedVectors
 from rqlib.kernels import limits as geo
-from rqlib.kernels.triton_decode import decode_partition_kernel, decode_reduce_kernel
+from rqlib.kernels.triton_attention import attention_kernel, reduce_kernel
 from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
 
@@ -105,135 +105,222 @@ def fused_scores(q: torch.Tensor, keys, scale: float, out: torch.Tensor | None) 
     return out
 
 
-def decode_attention(
-    q: torch.Tensor,
-    keys,
-    values,
-    *,
-    scale: float,
-    sink_keys: torch.Tensor | None,
-    sink_values: torch.Tensor | None,
-    recent_keys: torch.Tensor | None,
-    recent_values: torch.Tensor | None,
-    window: int | None,
-    partition_size: int,
-    out: torch.Tensor | None,
-) -> torch.Tensor:
-    """Launch the partition and reduce kernels; returns float32 [B, QH, 1, d]."""
-    batch, q_heads, _, head_dim = q.shape
-    kv_heads, kv_len = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
+def _dummy(device, dtype=torch.uint8) -> torch.Tensor:
+    """A one-element stand-in for a pointer the kernel never reads."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def _ring_arguments(stream, device, exact_dtype):
+    """Pointers, sizes and strides of one stream for the attention kernel.
+
+    Returns ``(pointers, sizes, strides)``: pointers (codes, norms, signs, residual norms,
+    exact, centroids), sizes (exact, capacity, D, bits, code bytes, QJL m, sign bytes, QJL
+    scale, norm width, norm-stream bytes), strides (codes b/h/s, norms b/h, signs b/h/s,
+    residual norms b/h, exact b/h/s)."""
+    u8, exact_dummy = _dummy(device), _dummy(device, exact_dtype)
+    if stream is None:
+        return (u8, u8, u8, u8, exact_dummy, _dummy(device, torch.float32)), (0,) * 10, (0,) * 13
+    if stream.is_exact:
+        ring = stream.exact
+        x = ring.buffers["exact"]
+        pointers = (u8, u8, u8, u8, x, _dummy(device, torch.float32))
+        sizes = (1, ring.capacity, 0, 1, 0, 0, 0, 0.0, 16, 0)
+        return pointers, sizes, (0,) * 10 + tuple(x.stride()[:3])
+    part = stream.parts[0]
+    ring, qz = part.ring, part.quantizer
+    buffers = ring.buffers
+    norms = buffers["norms"]
+    codes = buffers.get("codes", u8.expand(1, 1, 1, 1))
+    signs = buffers.get("signs", u8.expand(1, 1, 1, 1))
+    rnorms = buffers.get("rnorms", u8.expand(1, 1, 1))
+    centroids = qz.centroids.to(device=device, dtype=torch.float32).contiguous()
+    if centroids.numel() == 0:
+        centroids = _dummy(device, torch.float32)
+    pointers = (codes, norms, signs, rnorms, exact_dummy, centroids)
+    sizes = (
+        0,
+        ring.capacity,
+        qz.rotated_dim if qz.mse_bits else 0,
+        max(qz.mse_bits, 1),
+        codes.shape[-1],
+        qz.qjl_dim if qz.has_qjl else 0,
+        signs.shape[-1],
+        float(qz.qjl_scale) if qz.has_qjl else 0.0,
+        ring.norm_width,
+        norms.shape[-1],
+    )
+    strides = (
+        *codes.stride()[:3],
+        *norms.stride()[:2],
+        *signs.stride()[:3],
+        *rnorms.stride()[:2],
+        0,
+        0,
+        0,
+    )
+    return pointers, sizes, strides
+
+
+def _exact_dtype(state, default: torch.dtype) -> torch.dtype:
+    """The one dtype of a layer's exact vectors (sink, exact band, exact keys or values)."""
+    dtypes = {t.dtype for t in (state.sink_keys, state.sink_values) if t is not None}
+    for stream in (state.keys, state.values, state.band_keys, state.band_values):
+        if stream is not None and stream.is_exact:
+            dtypes.add(stream.exact.dtype)
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"a layer's exact vectors must share one dtype, got {sorted(map(str, dtypes))}"
+        )
+    return dtypes.pop() if dtypes else default
+
+
+def _mask_arguments(mask, device):
+    """(tensor, has_mask, causal, window, length, offset, strides b/t/k) for the kernel."""
+    if mask.__class__.__name__ == "CausalMask":
+        window = mask.window or 0
+        if mask.padding is None:
+            return _dummy(device), 0, 1, window, 0, 0, (0, 0, 0)
+        padding = mask.padding.view(torch.uint8)
+        sb, sk = padding.stride()
+        return padding, 1, 1, window, padding.shape[-1], 0, (sb, 0, sk)
+    tensor = mask.tensor.view(torch.uint8)
+    sb, _, st, sk = tensor.stride()
+    return tensor, 1, 0, 0, tensor.shape[-1], mask.kv_offset, (sb, st, sk)
+
+
+def attention(state, q: torch.Tensor, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """Launch :func:`attention_kernel` and :func:`reduce_kernel`; float32 ``[B, Hq, Lq, d]``.
+
+    The host does only work independent of the context: the query side (rotations of the
+    queries, ``<q, mu>``), views of the buffers, and the rotation of the accumulators back."""
+    batch, q_heads, length, head_dim = q.shape
     device = q.device
-    lo = 0 if window is None else max(0, kv_len - window)
-    n_parts = math.ceil((kv_len - lo) / partition_size)
+    keys, values = state.keys, state.values
+    kv_heads = keys.rings[0].heads
+    group = q_heads // kv_heads
+    n_rows = length * group
+    exact_dtype = _exact_dtype(state, q.dtype)
+    if state.band_keys is not None and state.band_values is not None:
+        if state.band_keys.rings[0].capacity != state.band_values.rings[0].capacity:
+            raise ValueError("the band's key and value rings must have the same capacity")
+    if keys.rings[0].capacity != values.rings[0].capacity:
+        raise ValueError("the key and value rings must have the same capacity")
 
-    q_rot, q_sketch = _query_sides(q, keys.quantizer)
-    q_raw = q.float().contiguous()
-    tensors, sizes, strides = _key_arguments(keys)
+    # the query side: rows ordered (batch, KV head, position, head of the group)
+    rows = q.float().reshape(batch, kv_heads, group, length, head_dim).transpose(2, 3)
+    rows = rows.reshape(batch, kv_heads, n_rows, head_dim)
+    zeros = rows.new_zeros(1)
+    q_main, q_sketch = zeros, zeros
+    mean = rows.new_zeros(batch, kv_heads, n_rows)  # <q, mu>
+    if not keys.is_exact:
+        qz = keys.parts[0].quantizer
+        scaled = rows if keys.scale is None else rows / keys.scale.float().to(device)[None, :, None]
+        q_main = (scaled @ qz.rotation.matrix.to(device).T).contiguous()
+        if qz.has_qjl:
+            q_sketch = (q_main @ qz.sketch.to(device).T).contiguous()
+        if keys.mean is not None:
+            mean = (rows * keys.mean.float().to(device)[None, :, None]).sum(-1).contiguous()
+    q_band, band_mean = zeros, rows.new_zeros(batch, kv_heads, n_rows)
+    band_k_mode = band_v_mode = 0
+    if state.band_keys is not None:
+        band_k_mode = 1 if state.band_keys.is_exact else 2
+        if band_k_mode == 2:
+            band = state.band_keys
+            q_band = (rows @ band.parts[0].quantizer.rotation.matrix.to(device).T).contiguous()
+            if band.mean is not None:
+                band_mean = (rows * band.mean.float().to(device)[None, :, None]).sum(-1)
+                band_mean = band_mean.contiguous()
+    if state.band_values is not None:
+        band_v_mode = 1 if state.band_values.is_exact else 2
+    rows = rows.contiguous()
 
-    def exact(t: torch.Tensor | None) -> torch.Tensor:
-        return q_raw.new_zeros(1) if t is None else t.float().contiguous()
+    k_ptrs, k_sizes, k_strides = _ring_arguments(keys, device, exact_dtype)
+    v_ptrs, v_sizes, v_strides = _ring_arguments(values, device, exact_dtype)
+    bk_ptrs, bk_sizes, bk_strides = _ring_arguments(state.band_keys, device, exact_dtype)
+    bv_ptrs, bv_sizes, bv_strides = _ring_arguments(state.band_values, device, exact_dtype)
+    sink_k = state.sink_keys if state.sink_keys is not None else _dummy(device, exact_dtype)
+    sink_v = state.sink_values if state.sink_values is not None else sink_k
+    sink_strides = sink_k.stride()[:3] if state.sink_keys is not None else (0, 0, 0)
+    mask_tensor, has_mask, causal, window, mask_len, mask_offset, mask_strides = _mask_arguments(
+        mask, device
+    )
 
-    n_sink = 0 if sink_keys is None else sink_keys.shape[2]
-    n_recent = 0 if recent_keys is None else recent_keys.shape[2]
-    compressed_values = not isinstance(values, torch.Tensor)
-    if compressed_values:
-        vq = values.quantizer
-        v_data = _last_dim_contiguous(values.codes)
-        v_norms = values.norms
-        v_centroids = vq.centroids.to(device=device, dtype=torch.float32).contiguous()
-        v_width, v_bits, v_code_bytes = vq.rotated_dim, vq.mse_bits, v_data.shape[-1]
-        v_strides = (*v_data.stride()[:3], *v_norms.stride())
-        block_v = geo.value_block(max(v_width, head_dim))
-    else:
-        v_data = _last_dim_contiguous(values)
-        v_norms = torch.zeros(1, dtype=torch.float16, device=device)  # unused stand-ins
-        v_centroids = q_raw.new_zeros(1)
-        v_width, v_bits, v_code_bytes = head_dim, 1, 0
-        v_strides = (*v_data.stride()[:3], 0, 0, 0)
-        block_v = geo.value_block(head_dim)
+    v_dim = head_dim if values.is_exact else values.parts[0].quantizer.rotated_dim
+    bv_dim = bv_sizes[2]
+    block_v = geo.value_block(max(head_dim, v_dim, bv_dim))
+    first = state.first
+    if causal and window:
+        first = max(first, state.start - window + 1)
+    n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
+    span = state.end - first
+    n_splits = max(1, math.ceil(span / geo.DEFAULT_PARTITION)) if n_row_blocks == 1 else 1
+    partition = math.ceil(span / n_splits / geo.ATTENTION_BLOCK_S) * geo.ATTENTION_BLOCK_S
+    partition = max(partition, geo.ATTENTION_BLOCK_S)
 
-    rows = batch * q_heads
-    part_m = empty((rows, n_parts), torch.float32, device)
-    part_l = empty((rows, n_parts), torch.float32, device)
-    part_acc = empty((rows, n_parts, v_width), torch.float32, device)
-    if compressed_values:
-        part_exact = empty((rows, n_parts, head_dim), torch.float32, device)
-    else:
-        part_exact = part_m  # unused: full-precision values have a single accumulator
-    decode_partition_kernel[(batch * kv_heads, n_parts)](
-        q_rot,
-        q_sketch,
-        q_raw,
-        *tensors,
-        exact(sink_keys),
-        exact(sink_values),
-        exact(recent_keys),
-        exact(recent_values),
-        v_data,
-        v_norms,
-        v_centroids,
-        part_m,
-        part_l,
-        part_acc,
-        part_exact,
-        kv_heads,
-        group,
-        kv_len,
-        lo,
-        partition_size,
-        n_parts,
-        n_sink,
-        n_recent,
-        head_dim,
-        *sizes,
-        float(scale),
-        v_width,
-        v_bits,
-        v_code_bytes,
-        *strides,
-        *v_strides,
-        V_COMPRESSED=compressed_values,
+    total_rows = batch * kv_heads * n_rows
+    part_m = empty((total_rows, n_splits), torch.float32, device)
+    part_l = empty((total_rows, n_splits), torch.float32, device)
+    part_acc = empty((total_rows, n_splits, 3 * block_v), torch.float32, device)
+    attention_kernel[(batch * kv_heads, n_row_blocks, n_splits)](
+        rows, q_main, q_sketch, q_band, mean, band_mean,
+        *k_ptrs, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
+        bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_ptrs[5],
+        bv_ptrs[0], bv_ptrs[1], bv_ptrs[4], bv_ptrs[5],
+        sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
+        kv_heads, group, n_rows, head_dim, state.start, first, state.end, n_splits, partition,
+        first, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
+        *mask_strides, float(scale), float(softcap or 0.0),
+        *k_sizes,
+        *k_strides,
+        v_sizes[0], v_dim, v_sizes[3], v_sizes[4], v_sizes[8], v_sizes[9],
+        *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
+        band_k_mode, band_v_mode, max(bk_sizes[1], 1), bk_sizes[2], bk_sizes[3], bk_sizes[4],
+        bk_sizes[8], bk_sizes[9],
+        bv_dim, bv_sizes[3], bv_sizes[4], bv_sizes[8], bv_sizes[9],
+        *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
+        *bv_strides[:3], *bv_strides[3:5], *bv_strides[10:13],
+        *sink_strides, int(state.sink_values is not None),
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
-        BLOCK_S=geo.DECODE_BLOCK_S,
+        BLOCK_S=geo.ATTENTION_BLOCK_S,
         CHUNK=geo.CHUNK,
         num_warps=geo.NUM_WARPS,
-    )
-    result = empty((rows, v_width), torch.float32, device)
-    decode_reduce_kernel[(rows,)](
+    )  # fmt: skip
+    reduced = empty((total_rows, 3 * block_v), torch.float32, device)
+    reduce_kernel[(total_rows, math.ceil(3 * block_v / geo.REDUCE_BLOCK))](
         part_m,
         part_l,
         part_acc,
-        result,
-        n_parts,
-        v_width,
-        BLOCK_V=geo.value_block(v_width),
+        reduced,
+        n_splits,
+        3 * block_v,
+        BLOCK=geo.REDUCE_BLOCK,
         num_warps=geo.REDUCE_NUM_WARPS,
     )
-    if compressed_values:
-        exact_part = empty((rows, head_dim), torch.float32, device)
-        decode_reduce_kernel[(rows,)](
-            part_m,
-            part_l,
-            part_exact,
-            exact_part,
-            n_parts,
-            head_dim,
-            BLOCK_V=geo.value_block(head_dim),
-            num_warps=geo.REDUCE_NUM_WARPS,
-        )
-        result = values.quantizer.rotation.inverse(result) + exact_part
-    result = result.reshape(batch, q_heads, 1, head_dim)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
+    reduced = reduced.reshape(batch, kv_heads, n_rows, 3 * block_v)
+    out = _rotate_back(values, reduced[..., :v_dim], device)
+    if band_v_mode == 2:
+        band_matrix = state.band_values.parts[0].quantizer.rotation.matrix.to(device)
+        out = out + reduced[..., block_v : block_v + bv_dim] @ band_matrix
+    if band_v_mode == 1 or state.sink_values is not None:
+        out = out + reduced[..., 2 * block_v : 2 * block_v + head_dim]
+    out = out.reshape(batch, kv_heads, length, group, head_dim).transpose(2, 3)
+    return out.reshape(batch, q_heads, length, head_dim)
 
 
-def quantize(quantizer, x: torch.Tensor):
+def _rotate_back(values, accumulated: torch.Tensor, device) -> torch.Tensor:
+    """The main values' accumulator in the model's coordinates: ``R^T acc / a``."""
+    if values.is_exact:
+        return accumulated
+    out = accumulated @ values.parts[0].quantizer.rotation.matrix.to(device)
+    if values.scale is not None:
+        out = out / values.scale.float().to(device)[None, :, None]
+    return out
+
+
+def quantize(quantizer, x: torch.Tensor, validate: bool = True):
     """Quantize ``x [..., d]``: torch normalizes and rotates, the kernel does the rest."""
-    norms, y = quantizer.rotated_unit(x)
+    norms, y = quantizer.rotated_unit(x, validate)
     batch_shape = x.shape[:-1]
     y = y.reshape(-1, quantizer.rotated_dim).float().contiguous()
     n = y.shape[0]
@@ -273,11 +360,11 @@ def quantize(quantizer, x: torch.Tensor):
     residual_norms = None
     if has_qjl:
         residual_norms = quantizer.store_norms(
-            norms * residual.reshape(batch_shape), "residual norm"
+            norms * residual.reshape(batch_shape), "residual norm", validate
         )
     return CompressedVectors(
         codes[:, :code_bytes].reshape(*batch_shape, code_bytes),
-        quantizer.store_norms(norms),
+        quantizer.store_norms(norms, validate=validate),
         signs[:, :sign_bytes].reshape(*batch_shape, sign_bytes) if has_qjl else None,
         residual_norms,
         quantizer,

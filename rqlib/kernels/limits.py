@@ -2,46 +2,45 @@
 
 Every public kernel entry point calls one of the ``check_*`` functions before it launches
 anything, so an input with no kernel raises a ``ValueError`` naming what is supported instead
-of producing uninitialized output. The same constants feed the ahead-of-time compile list in
+of producing uninitialized output. :func:`check_codecs` runs the same checks on a layer's codecs
+when a cache is built for a CUDA model, so that a config the fused attention cannot serve is
+refused at ``compress()`` time. The same constants feed the ahead-of-time compile list in
 :mod:`rqlib.kernels.aot`, so "every specialization the dispatcher can pick" is a finite,
 enumerable set.
 
-Design: the head dimension D, the sketch dimension m and the code width b are *runtime*
-arguments of the kernels (loops over chunks of ``CHUNK`` coordinates), so they add no
-specializations; only the width of the decode accumulator (``BLOCK_V``) and the storage dtype
-of full-precision values are compile-time.
+Design: the head dimension d, the rotated dimension D, the sketch dimension m, the code width b,
+the norm width and which streams a layer has (exact or coded keys, values and band; QJL; a
+sink) are *runtime* arguments of the kernels, so they add no specializations; only the width of
+the attention accumulators (``BLOCK_V``) and the dtype of the exact vectors are compile-time.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rqlib.core import gqa
-
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_MSE_BITS = 8  # codes of up to 8 bits straddle at most two bytes: the unpack reads two
 MAX_QJL_DIM = 1024
-MAX_GROUP = 16  # query heads per KV head: one padded block of rows (tl.dot needs M >= 16)
+MAX_NORM_BITS = 16  # norm fields straddle at most three bytes: the kernel reads three
 SUPPORTED_NORM_DTYPES = (torch.float16,)
 SUPPORTED_QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SUPPORTED_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_EXACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Tile sizes, chosen from the AOT register report (python -m rqlib.kernels.aot) so that no
-# specialization but the widest compressed-value decode spills on sm_90; see the report in the
-# tests. tl.dot needs every block dimension >= 16 on a GPU.
+# Tile sizes; tl.dot needs every block dimension >= 16 on a GPU.
 CHUNK = 32  # coordinates per inner step (codes, signs, exact keys)
 SCORES_BLOCK_S = 32  # keys per fused_scores tile
-DECODE_BLOCK_S = 16  # keys per decode tile (also the K dimension of P.V)
-BLOCK_ROWS = 16  # query rows per tile (padded GQA group or prefill rows)
+ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)
+BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
 BLOCK_N = 16  # vectors per quantize program
-NUM_WARPS = 8  # scores, decode partition and quantize kernels
+NUM_WARPS = 8  # scores, attention and quantize kernels
 REDUCE_NUM_WARPS = 4
-DEFAULT_PARTITION = 512  # keys per decode partition (a multiple of DECODE_BLOCK_S)
-VALUE_BLOCKS = (64, 128, 256, 512)  # decode accumulator widths (next power of two >= 64)
+REDUCE_BLOCK = 128  # accumulator columns per reduce program
+DEFAULT_PARTITION = 512  # keys per split of a decode step (a multiple of ATTENTION_BLOCK_S)
+VALUE_BLOCKS = (64, 128, 256, 512)  # accumulator widths (next power of two >= 64)
 
 
 def value_block(width: int) -> int:
-    """The decode accumulator width for ``width`` value coordinates (a power of two >= 64)."""
+    """The accumulator width for ``width`` value coordinates (a power of two >= 64)."""
     for block in VALUE_BLOCKS:
         if width <= block:
             return block
@@ -103,8 +102,55 @@ def check_query(q: torch.Tensor, name: str = "q") -> None:
 
 
 def group_size(q_heads: int, kv_heads: int) -> int:
-    """Query heads per KV head; raise unless it is a whole number in 1..MAX_GROUP."""
-    group = gqa.group_size(q_heads, kv_heads)
-    if group > MAX_GROUP:
-        raise ValueError(f"{group} query heads per KV head; supported: 1..{MAX_GROUP}")
-    return group
+    """Query heads per KV head; raise unless it is a whole number (any size: the kernels tile
+    the rows of a group in blocks of ``BLOCK_ROWS``)."""
+    if kv_heads < 1 or q_heads < 1 or q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
+    return q_heads // kv_heads
+
+
+def check_stream(stream, name: str, *, values: bool = False) -> None:
+    """Raise ``ValueError`` naming the feature unless the fused attention can read ``stream``
+    (a codec, a :class:`~rqlib.kernels.state.Stream`, or ``None`` for exact vectors)."""
+    if stream is None or getattr(stream, "is_exact", False):
+        return
+    if len(stream.parts) != 1 or stream.parts[0].channels is not None:
+        raise ValueError(
+            f"{name}: an outlier channel split (spec tokens ko/vo/out) has no fused attention "
+            "kernel; on CUDA use a config without it"
+        )
+    quantizer = stream.parts[0].quantizer
+    check_quantizer(quantizer, name)
+    if quantizer.norm_dtype not in SUPPORTED_NORM_DTYPES or quantizer.norm_bits > MAX_NORM_BITS:
+        raise ValueError(f"{name}: {quantizer.norm_bits}-bit norms have no fused attention kernel")
+    if values and quantizer.has_qjl:
+        raise ValueError(f"{name}: values must come from an MSE quantizer (no QJL)")
+    if values and stream.mean is not None:
+        raise ValueError(f"{name}: a mean subtracted from the values has no fused attention kernel")
+    value_block(quantizer.rotated_dim)
+
+
+def check_codecs(keys, values, band_keys=None, band_values=None) -> None:
+    """:func:`check_stream` for each codec of one layer (``None``: kept exact)."""
+    check_stream(keys, "keys")
+    check_stream(values, "values", values=True)
+    check_stream(band_keys, "recent band keys")
+    check_stream(band_values, "recent band values", values=True)
+
+
+def check_state(state) -> None:
+    """Raise ``ValueError`` unless the fused attention can serve this
+    :class:`~rqlib.kernels.state.AttentionState`."""
+    check_codecs(state.keys, state.values, state.band_keys, state.band_values)
+    if state.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {state.head_dim} has no kernel; supported head dims are "
+            f"{SUPPORTED_HEAD_DIMS}"
+        )
+    for stream in (state.keys, state.values, state.band_keys, state.band_values):
+        if stream is not None and stream.is_exact:
+            if stream.exact.dtype not in SUPPORTED_EXACT_DTYPES:
+                raise ValueError(
+                    f"exact vectors of dtype {stream.exact.dtype} have no kernel; supported "
+                    f"{SUPPORTED_EXACT_DTYPES}"
+                )

@@ -1,4 +1,5 @@
-"""Triton building blocks shared by the kernels: read b-bit codes and sign bits from packed rows.
+"""Triton building blocks shared by the kernels: read b-bit codes and sign bits from packed rows,
+and the two dot products of the estimator (codes, QJL signs) against rows of queries.
 
 Storage layout (rqlib.core.packing): an LSB-first bit stream per vector; code j occupies stream bits
 j*b .. j*b+b-1, stream bit t is bit t % 8 of byte t // 8. A code of b <= 8 bits therefore lies
@@ -69,3 +70,49 @@ def pack_store(
         byte_values.to(tl.uint8),
         mask=row_mask[:, None, None] & mask[None, :, :],
     )
+
+
+@triton.jit
+def code_scores(
+    q_ptr, q_rows, row_mask, dim, codes_ptr, slots, stride_s, key_mask, bits, code_bytes,
+    centroids_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """``<q_row, c[codes_key]>`` for rows x keys, CHUNK coordinates at a time."""
+    cols = tl.arange(0, CHUNK)
+    rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
+    for c0 in range(0, dim, CHUNK):
+        c = c0 + cols
+        c_mask = c < dim
+        q_tile = tl.load(
+            q_ptr + q_rows[:, None] * dim + c[None, :],
+            mask=row_mask[:, None] & c_mask[None, :],
+            other=0.0,
+        )
+        k_mask = key_mask[:, None] & c_mask[None, :]
+        codes = load_codes(rows_ptr, c, k_mask, bits, code_bytes)
+        k_tile = tl.load(centroids_ptr + codes, mask=k_mask, other=0.0)
+        acc += tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def sign_scores(
+    q_ptr, q_rows, row_mask, m_dim, signs_ptr, slots, stride_s, key_mask,
+    BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """``<S R q_row, signs_key>`` for rows x keys (QJL), CHUNK sign bits at a time."""
+    cols = tl.arange(0, CHUNK)
+    rows_ptr = signs_ptr + slots.to(tl.int64)[:, None] * stride_s
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
+    for m0 in range(0, m_dim, CHUNK):
+        m = m0 + cols
+        m_mask = m < m_dim
+        s_tile = tl.load(
+            q_ptr + q_rows[:, None] * m_dim + m[None, :],
+            mask=row_mask[:, None] & m_mask[None, :],
+            other=0.0,
+        )
+        signs = load_signs(rows_ptr, m, key_mask[:, None] & m_mask[None, :])
+        acc += tl.dot(s_tile, tl.trans(signs), input_precision="ieee")
+    return acc

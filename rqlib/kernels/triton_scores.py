@@ -19,7 +19,7 @@ Bytes read per key, head_dim d = 128 (rotated dim D = 128, m = 128 signs, fp16 n
 so a memory-bound score pass over 3-bit keys reads about 5x fewer bytes than over fp16 keys
 (the query side and the centroids are O(1)). It also writes 4 bytes per key and query row: 16
 bytes per key at GQA 4 in decode, a third of what it reads; that is why decoding uses
-:mod:`rqlib.kernels.triton_decode`, which never writes the scores out.
+:mod:`rqlib.kernels.triton_attention`, which never writes the scores out.
 
 Work decomposition: one program per (batch, kv head, block of BLOCK_ROWS = 16 query rows,
 block of BLOCK_S = 32 keys) (sizes in :mod:`rqlib.kernels.limits`).
@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rqlib.kernels.triton_common import load_codes, load_signs
+from rqlib.kernels.triton_common import code_scores, sign_scores
 
 
 @triton.jit
@@ -86,42 +86,22 @@ def fused_scores_kernel(
     row_mask = rows < group * q_len
     keys = pid_keys * BLOCK_S + tl.arange(0, BLOCK_S)
     key_mask = keys < kv_len
-    cols = tl.arange(0, CHUNK)
 
     # Query rows of this kv head are contiguous: head kvh*group + g, position t.
     first_row = (b * kv_heads + kvh).to(tl.int64) * group * q_len
     q_rows = first_row + rows
 
-    # MSE term: <R q, c[codes]>, decoded CHUNK coordinates at a time.
-    code_rows = codes_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
-    code_rows = code_rows + keys[:, None].to(tl.int64) * stride_cs
-    mse = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
-    for c0 in range(0, rotated_dim, CHUNK):
-        c = c0 + cols
-        c_mask = c < rotated_dim
-        q_tile = tl.load(
-            q_rot_ptr + q_rows[:, None] * rotated_dim + c[None, :],
-            mask=row_mask[:, None] & c_mask[None, :],
-            other=0.0,
-        )
-        codes = load_codes(code_rows, c, key_mask[:, None] & c_mask[None, :], bits, code_bytes)
-        k_tile = tl.load(centroids_ptr + codes, mask=key_mask[:, None] & c_mask[None, :], other=0.0)
-        mse += tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
-
-    # QJL term: <S R q, signs>, CHUNK sign bits at a time.
-    sign_rows = signs_ptr + b.to(tl.int64) * stride_sb + kvh * stride_sh
-    sign_rows = sign_rows + keys[:, None].to(tl.int64) * stride_ss
-    qjl = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
-    for m0 in range(0, qjl_dim, CHUNK):
-        m = m0 + cols
-        m_mask = m < qjl_dim
-        s_tile = tl.load(
-            q_sketch_ptr + q_rows[:, None] * qjl_dim + m[None, :],
-            mask=row_mask[:, None] & m_mask[None, :],
-            other=0.0,
-        )
-        signs = load_signs(sign_rows, m, key_mask[:, None] & m_mask[None, :])
-        qjl += tl.dot(s_tile, tl.trans(signs), input_precision="ieee")
+    # MSE term <R q, c[codes]> and QJL term <S R q, signs>, CHUNK coordinates at a time.
+    code_base = codes_ptr + b.to(tl.int64) * stride_cb + kvh * stride_ch
+    mse = code_scores(
+        q_rot_ptr, q_rows, row_mask, rotated_dim, code_base, keys, stride_cs, key_mask, bits,
+        code_bytes, centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
+    )  # fmt: skip
+    sign_base = signs_ptr + b.to(tl.int64) * stride_sb + kvh * stride_sh
+    qjl = sign_scores(
+        q_sketch_ptr, q_rows, row_mask, qjl_dim, sign_base, keys, stride_ss, key_mask,
+        BLOCK_ROWS, BLOCK_S, CHUNK,
+    )  # fmt: skip
 
     norm_offsets = b.to(tl.int64) * stride_nb + kvh * stride_nh + keys.to(tl.int64) * stride_ns
     norms = tl.load(norms_ptr + norm_offsets, mask=key_mask, other=0.0)

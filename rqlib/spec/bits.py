@@ -5,8 +5,9 @@ cache builds (codes, norms, QJL signs and residual norms: ``bits_per_vector``), 
 tokens at 16 bits and the recent band (16 bits, or its codec's bits with ``wb=``) amortized
 over ``context`` tokens, exact layers at 16 bits, and per-layer calibrated constants (key
 means and channel scales at 16 bits per coordinate, outlier channel indices at 8 bits)
-amortized the same way. Every layer stores every token (sliding-window layers too), which is
-what the cache of :mod:`rqlib.hf` does.
+amortized the same way. Every layer is counted as storing every token; a sliding-window layer
+of the cache of :mod:`rqlib.hf` (Gemma 3's local layers) evicts the tokens its window can no
+longer see, so for such models the count is an upper bound on what is stored.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""Kernel benchmarks: ``python -m rqlib bench kernels``.
+"""Benchmarks: ``python -m rqlib bench kernels`` and ``python -m rqlib bench decode-cpu``.
 
-On a CUDA device it first checks the Triton kernels against the torch references on a few
+``decode-cpu`` times a model's decode steps on CPU, the uncompressed ``DynamicCache`` and the
+presets side by side in one run (:func:`decode_cpu`); what follows is about ``kernels``.
+
+On a CUDA device it first checks the Triton kernels against the torch implementations on a few
 small shapes (the tests only ever ran them in the interpreter), then times ``fused_scores`` and
-``decode_attention`` against torch's SDPA on fp16 keys/values for kv_len 1k ... 128k
+the fused attention of a decode step (:func:`rqlib.kernels.attention`) against torch's SDPA on
+fp16 keys/values for kv_len 1k ... 128k
 (head_dim 128, GQA 4 by default), and prints bytes read, achieved GB/s, the fraction of the
 device's HBM bandwidth and the speed-up over SDPA.
 
@@ -13,6 +17,7 @@ a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -108,8 +113,36 @@ def hbm_peak_gbps(args) -> float | None:
     return None
 
 
+def decode_layer(args, key_qz, value_qz, k: torch.Tensor, v: torch.Tensor, n_sink=4, band=64):
+    """One cache layer holding ``k``, ``v`` ``[B, KV, S, d]``: keys as ``key_qz`` codes,
+    values as ``value_qz`` codes (``None``: exact), exact sink tokens and an exact recent band."""
+    from rqlib.hf.cache import CompressedLayer
+    from rqlib.hf.codec import ChannelPart, VectorCodec
+
+    d = k.shape[-1]
+
+    def codec(quantizer):
+        return None if quantizer is None else VectorCodec([ChannelPart(quantizer, None)], d)
+
+    layer = CompressedLayer(0, codec(key_qz), codec(value_qz), n_sink, band)
+    layer.active = True
+    layer.update(k, v)
+    return layer
+
+
+def decode_step(layer, q: torch.Tensor, scale: float, backend: str | None = None):
+    """The attention of a decode query ``q [B, Hq, 1, d]`` over everything ``layer`` holds."""
+    from rqlib.kernels.state import CausalMask
+
+    state = layer.state()
+    length = state.end
+    mask = CausalMask(q.shape[0], length - 1, 1, 0, length)
+    state = dataclasses.replace(state, start=length - 1)
+    return kernels.attention(state, q, mask, scale=scale, backend=backend)
+
+
 def check_on_gpu(args, device, length: int = 1000) -> None:
-    """Triton vs torch reference on small irregular shapes; raises if they disagree."""
+    """Triton vs torch on small irregular shapes; raises if they disagree."""
     generator = torch.Generator(device=device).manual_seed(0)
     d, group = args.head_dim, args.group
     key_qz = make_quantizer(args.key_method, d, args.key_bits)
@@ -120,30 +153,20 @@ def check_on_gpu(args, device, length: int = 1000) -> None:
     keys = key_qz.quantize(k)
     triton_keys = kernels.quantize(key_qz, k)
     codes_equal = torch.equal(triton_keys.codes, keys.codes)
-    values = value_qz.quantize(v)
-    exact_tokens = dict(
-        scale=0.1,
-        sink_keys=k[:, :, :4],
-        sink_values=v[:, :, :4],
-        recent_keys=k[:, :, -64:],
-        recent_values=v[:, :, -64:],
-    )
+    packed = decode_layer(args, key_qz, value_qz, k, v)
+    exact_values = decode_layer(args, key_qz, None, k.half(), v.half())
     checks = {
         "fused_scores": (
             kernels.fused_scores(q, keys, scale=0.1),
             kernels.fused_scores(q, keys, scale=0.1, backend="torch"),
         ),
-        "decode fp16 V": (
-            kernels.decode_attention(
-                q.half(), keys, v.half(), scale=0.1, window=length * 7 // 10
-            ).float(),
-            kernels.decode_attention(
-                q, keys, v.half(), scale=0.1, window=length * 7 // 10, backend="torch"
-            ),
+        "attention, exact fp16 V": (
+            decode_step(exact_values, q.half(), 0.1),
+            decode_step(exact_values, q, 0.1, "torch"),
         ),
-        "decode packed V + exact": (
-            kernels.decode_attention(q, keys, values, **exact_tokens),
-            kernels.decode_attention(q, keys, values, **exact_tokens, backend="torch"),
+        "attention, packed V": (
+            decode_step(packed, q, 0.1),
+            decode_step(packed, q, 0.1, "torch"),
         ),
     }
     print(f"GPU check: quantize codes bit-identical to torch: {codes_equal}")
@@ -152,12 +175,12 @@ def check_on_gpu(args, device, length: int = 1000) -> None:
         error = float((got - expected).abs().max() / expected.abs().max())
         worst = max(worst, error)
         print(f"GPU check: {name:<24} relative error vs torch {error:.2e}")
-    if worst > 1e-3 or not codes_equal:  # fp16 output rounding is 5e-4
+    if worst > 1e-3 or not codes_equal:  # fp16 queries round by 5e-4
         raise RuntimeError("the Triton kernels disagree with the torch references on this GPU")
 
 
 def run_gpu(args) -> int:
-    """Time fused_scores / decode_attention against fp16 SDPA for each kv_len."""
+    """Time fused_scores / the fused attention against fp16 SDPA for each kv_len."""
     device = torch.device("cuda")
     peak = hbm_peak_gbps(args)
     print(f"device: {torch.cuda.get_device_name()}, peak HBM {peak or 'unknown'} GB/s")
@@ -191,10 +214,18 @@ def run_gpu(args) -> int:
         sweep_tiles(args, max(args.kv_lens), key_qz, value_qz, scale, device)
     print(
         "\nMB read counts the bytes each kernel must read at least (stored cache + partial "
-        "results); GB/s = MB read / time. The target: 'decode K, V packed' >= 2.5x SDPA at 32k "
-        "with >= 70% of HBM bandwidth."
+        "results); GB/s = MB read / time. The target: 'attention K, V packed' >= 2.5x SDPA at "
+        "32k with >= 70% of HBM bandwidth."
     )
     return 0
+
+
+def partial_bytes(layer, q_heads: int, batch: int, value_width: int) -> int:
+    """Bytes of the attention's partial results, written once and read back once."""
+    state = layer.state()
+    splits = math.ceil((state.end - state.first) / geo.DEFAULT_PARTITION)
+    block = geo.value_block(value_width)
+    return 2 * batch * q_heads * splits * (2 + 3 * block) * 4
 
 
 def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
@@ -207,10 +238,11 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     v = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
     q = torch.randn(batch, q_heads, 1, d, device=device, dtype=torch.float16)
     keys = kernels.quantize(key_qz, k)
-    values = kernels.quantize(value_qz, v)
+    exact_values = decode_layer(args, key_qz, None, k, v, n_sink=0, band=0)
+    packed = decode_layer(args, key_qz, value_qz, k, v, n_sink=0, band=0)
     fp16_bytes = 2 * k.numel() * k.element_size()
-    partitions = math.ceil(kv_len / 512)
-    partial_bytes = 2 * batch * q_heads * partitions * (2 + d) * 4  # written, then read back
+    key_bytes = batch * kv_heads * kv_len * key_qz.bits_per_vector // 8
+    value_bytes = batch * kv_heads * kv_len * value_qz.bits_per_vector // 8
     runs = [
         (
             "SDPA fp16",
@@ -225,14 +257,14 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
             keys.nbytes() + batch * q_heads * kv_len * 4,
         ),
         (
-            "decode K packed, V fp16",
-            lambda: kernels.decode_attention(q, keys, v, scale=scale),
-            keys.nbytes() + v.numel() * 2 + partial_bytes,
+            "attention K packed, V fp16",
+            lambda: decode_step(exact_values, q, scale),
+            key_bytes + v.numel() * 2 + partial_bytes(exact_values, q_heads, batch, d),
         ),
         (
-            "decode K, V packed",
-            lambda: kernels.decode_attention(q, keys, values, scale=scale),
-            keys.nbytes() + values.nbytes() + 2 * partial_bytes,
+            "attention K, V packed",
+            lambda: decode_step(packed, q, scale),
+            key_bytes + value_bytes + partial_bytes(packed, q_heads, batch, d),
         ),
     ]
     results = []
@@ -243,12 +275,12 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     return results
 
 
-# (DECODE_BLOCK_S, CHUNK, NUM_WARPS) candidates; every block dimension stays >= 16 for tl.dot.
+# (ATTENTION_BLOCK_S, CHUNK, NUM_WARPS) candidates; every block dimension stays >= 16 for tl.dot.
 TILE_CANDIDATES = ((16, 32, 8), (16, 32, 4), (32, 32, 8), (16, 64, 8), (32, 64, 8), (64, 32, 8))
 
 
 def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
-    """Time the packed-K/V decode for each TILE_CANDIDATES entry, checking each is correct.
+    """Time the packed-K/V attention for each TILE_CANDIDATES entry, checking each is correct.
 
     Returns (BLOCK_S, CHUNK, warps, milliseconds, relative error vs torch) per candidate.
     """
@@ -259,30 +291,114 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     k = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
     v = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
     q = torch.randn(batch, q_heads, 1, d, device=device, dtype=torch.float16)
-    keys, values = kernels.quantize(key_qz, k), kernels.quantize(value_qz, v)
-    small_keys, small_values = (
-        keys.map(lambda t: t[:, :, :777]),
-        values.map(lambda t: t[:, :, :777]),
-    )
-    expected = kernels.decode_attention(q, small_keys, small_values, scale=scale, backend="torch")
-    nbytes = keys.nbytes() + values.nbytes()
-    defaults = (geo.DECODE_BLOCK_S, geo.CHUNK, geo.NUM_WARPS)
-    print(f"\ntile sweep, decode K, V packed, kv_len {kv_len} (defaults {defaults})")
+    layer = decode_layer(args, key_qz, value_qz, k, v, n_sink=0, band=0)
+    small = decode_layer(args, key_qz, value_qz, k[:, :, :777], v[:, :, :777], n_sink=0, band=0)
+    expected = decode_step(small, q, scale, "torch")
+    nbytes = batch * kv_heads * kv_len * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
+    defaults = (geo.ATTENTION_BLOCK_S, geo.CHUNK, geo.NUM_WARPS)
+    print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (defaults {defaults})")
     print(f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'time us':>9} {'GB/s':>7} {'rel err':>8}")
     rows = []
     try:
         for block_s, chunk, warps in TILE_CANDIDATES:
-            geo.DECODE_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = block_s, chunk, warps
-            got = kernels.decode_attention(q, small_keys, small_values, scale=scale)
+            geo.ATTENTION_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = block_s, chunk, warps
+            got = decode_step(small, q, scale)
             error = float((got - expected).abs().max() / expected.abs().max())
-            ms = triton.testing.do_bench(
-                lambda: kernels.decode_attention(q, keys, values, scale=scale), warmup=25, rep=100
-            )
+            ms = triton.testing.do_bench(lambda: decode_step(layer, q, scale), warmup=25, rep=100)
             print(
                 f"{block_s:>7} {chunk:>5} {warps:>5} {ms * 1e3:>9.1f} {nbytes / ms / 1e6:>7.0f} "
                 f"{error:>8.1e}"
             )
             rows.append((block_s, chunk, warps, ms, error))
     finally:
-        geo.DECODE_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = defaults
+        geo.ATTENTION_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = defaults
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# decode steps on CPU, side by side
+
+
+def decode_cpu(
+    model_name: str = "smollm2-135m",
+    context: int = 1024,
+    steps: int = 32,
+    presets: tuple[str, ...] = ("rq-3.5",),
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Median time per decode step after ``context`` tokens: fp ``DynamicCache`` and presets.
+
+    Each method gets its own copy of the model and its own cache, prefilled with the same
+    ``context`` tokens of pydoc; then the next ``steps`` tokens are fed one at a time, the methods
+    taking turns at every step (in a rotating order), so that a change of machine load hits all
+    of them alike. Returns ``{"context", "steps", "threads", "load", "methods": {label: {"ms":
+    median, "ratio": median / fp median, "times": [...]}}}``.
+    """
+    import contextlib
+    import copy
+    import os
+    import statistics
+    import time
+
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    from rqlib.base.corpora import load_corpus, tokenize_corpus
+    from rqlib.hf import compress
+    from rqlib.hf.models import load_model
+    from rqlib.study.allocation import resolve
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_name)
+    ids = tokenize_corpus(load_corpus("pydoc"), tokenizer, context + steps)[None]
+    labels = ["fp"] + [f"preset:{name}" for name in presets]
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        runners = {}
+        fp_cache = DynamicCache(config=model.config)
+        model(ids[:, :context], cache=fp_cache, use_cache=True)
+        runners["fp"] = (model, fp_cache)
+        for label in labels[1:]:
+            copy_ = copy.deepcopy(model)
+            config = resolve(label, copy_, tokenizer, progress=False)
+            cache = stack.enter_context(compress(copy_, config, tokenizer=tokenizer))
+            copy_(ids[:, :context], cache=cache, use_cache=True)
+            runners[label] = (copy_, cache)
+        for step in tqdm(range(steps), desc="decode steps", disable=not progress):
+            token = ids[:, context + step : context + step + 1]
+            order = labels[step % len(labels) :] + labels[: step % len(labels)]
+            for label in order:
+                runner, cache = runners[label]
+                start = time.perf_counter()
+                runner(token, cache=cache, use_cache=True)
+                times[label].append(time.perf_counter() - start)
+    fp_median = statistics.median(times["fp"])
+    methods = {
+        label: {
+            "ms": 1000 * statistics.median(t),
+            "ratio": statistics.median(t) / fp_median,
+            "times": [round(1000 * x, 3) for x in t],
+        }
+        for label, t in times.items()
+    }
+    return {
+        "model": model_name,
+        "context": context,
+        "steps": steps,
+        "threads": torch.get_num_threads(),
+        "load": os.getloadavg()[0],
+        "methods": methods,
+    }
+
+
+def print_decode_cpu(result: dict) -> None:
+    """The table of :func:`decode_cpu`."""
+    print(
+        f"{result['model']}, decode after {result['context']} tokens, {result['steps']} steps, "
+        f"{result['threads']} threads, load average {result['load']:.1f}"
+    )
+    print(f"{'method':<16} {'ms/token':>9} {'vs fp':>7}")
+    for label, row in result["methods"].items():
+        print(f"{label:<16} {row['ms']:>9.1f} {row['ratio']:>6.2f}x")

@@ -1,0 +1,85 @@
+"""The path a user runs: ``generate()`` through the fused attention, on tiny random models.
+
+The presets' storage format (TurboQuant-MSE keys and values, per-head key centering on pydoc,
+norm correction, 11-bit norms, first token exact, the recent band as 8-bit codes) with per-layer
+bits chosen by the presets' own allocation (:func:`rqlib.study.allocation.allocate`) from a
+synthetic sensitivity table (a tiny random model has no measured one), on Llama (GQA 2:1),
+Gemma 3 (sliding-window layers, which evict) and Qwen2 (GQA 7:1), with a left-padded batch of
+two. The Triton kernels run in the interpreter (``cache.set_backend("triton")``: the attention
+kernel and the quantize kernel) and must give the same tokens as the torch path.
+
+Logit tolerance. Both paths compute the same sums in fp32 in different orders: attention outputs
+agree to ~1e-6 relative (tests/test_kernels_attention.py measures ~4e-7), which a few layers of a
+random model with logits of magnitude ~1 amplify to well under 1e-4; a code that flips at a
+decision boundary between the two paths (a key within ~1e-7 of a boundary) would move a logit
+by ~1e-2 instead, so the test also reports whether the stored codes are identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import VOCAB, ByteTokenizer, preset_config, tiny_model
+
+from rqlib.hf import compress
+from rqlib.spec.presets import PRESETS
+
+pytestmark = pytest.mark.interpreter
+
+LOGIT_TOL = 1e-4
+
+
+def stored_codes(cache) -> list[torch.Tensor]:
+    """Every stored code and norm byte of every layer (to see whether a code flipped)."""
+    out = []
+    for layer in cache.layers:
+        for stream in layer.streams.values():
+            for ring in stream.rings:
+                out.extend(t.clone() for name, t in sorted(ring.buffers.items()) if name != "exact")
+    return out
+
+
+def run(model, config, ids, mask, backend: str):
+    options = dict(
+        max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    with torch.no_grad(), compress(model, config, tokenizer=ByteTokenizer()) as cache:
+        cache.set_backend(backend)
+        out = model.generate(ids, attention_mask=mask, cache=cache, **options)
+        codes = stored_codes(cache)
+    return out.sequences, torch.stack(out.logits, 1), codes
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen2"])
+def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
+    model = tiny_model(kind, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    config = preset_config(preset, model)
+    assert len(set(config.layer_key_bits + config.layer_value_bits)) > 1
+    ids = torch.randint(1, VOCAB, (2, 7), generator=rng)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second row is left-padded by 3 tokens
+    tokens, logits, codes = run(model, config, ids, mask, "torch")
+    kernel_tokens, kernel_logits, kernel_codes = run(model, config, ids, mask, "triton")
+    flipped = sum(int((a != b).sum()) for a, b in zip(codes, kernel_codes))
+    difference = (kernel_logits - logits).abs().max().item()
+    print(f"max logit difference {difference:.2e}; stored bytes that differ: {flipped}")
+    assert torch.equal(kernel_tokens, tokens)
+    assert math.isfinite(difference) and difference <= LOGIT_TOL
+
+
+def test_a_config_the_kernel_cannot_serve_is_refused_when_built_on_cuda(rng, monkeypatch):
+    # the model's device decides; on a CPU-only machine the check is reached by saying "cuda"
+    from rqlib.hf import integration
+
+    model = tiny_model("llama", int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    monkeypatch.setattr(integration, "_on_cuda", lambda model: True)
+    with pytest.raises(ValueError, match="outlier channel split"):
+        with compress(model, "turboquant-mse:k3:v3:ko8:ctok=256", tokenizer=ByteTokenizer()):
+            pass
+    assert model.config._attn_implementation == "sdpa"
+    with compress(model, preset_config("rq-3", model), tokenizer=ByteTokenizer()):
+        pass  # the presets' format is served

@@ -1,0 +1,232 @@
+"""The fused attention kernel (Triton, interpreted) against the torch implementation in float64.
+
+Each case builds one :class:`CompressedLayer` from codecs (no model), feeds it a prompt, decode
+steps and a short chunk, and after every update compares ``kernels.attention(...,
+backend="triton")`` and the float32 torch path with ``reference.attention(..., dtype=float64)``
+on the same stored state. Decode steps use many splits (``DEFAULT_PARTITION`` is set to 16 keys)
+so that the reduce merges several partial results.
+
+Tolerance: both sides read the same stored codes and norms, and exact vectors converted to
+float exactly; the fp32 paths accumulate at most D + m <= 1282 products per score and softmax
+over <= 40 keys, so their rounding error is of order sqrt(D) * 2^-24 ~ 1e-6 relative to the
+largest output; 1e-5 leaves a 10x margin, while any logic error (a band pair read from the main
+stream, a missing sink, a wrong norm, a mask off by one) moves outputs at the 1e-2 level (the
+mutation checks in the report were caught by these cases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rqlib import kernels
+from rqlib.core.quantizers import make_quantizer
+from rqlib.hf.cache import CompressedLayer
+from rqlib.hf.codec import ChannelPart, VectorCodec
+from rqlib.kernels import launch, reference
+from rqlib.kernels import limits as geo
+from rqlib.kernels.state import CausalMask, DenseMask
+from rqlib.kernels.store import round_capacity
+
+pytestmark = pytest.mark.interpreter
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def small_splits_and_poison(monkeypatch):
+    """Every buffer the kernels write starts as NaN; decode steps use 16-key splits."""
+    monkeypatch.setattr(launch, "POISON_BUFFERS", True)
+    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    keys: tuple | None = ("turboquant-mse", 3, {})  # (method, bits, options); None: exact layer
+    values: tuple | None = ("turboquant-mse", 2, {})  # None: exact values
+    band: int | str | None = None  # None, "exact", or the band codecs' bits
+    n_sink: int = 0
+    window: int = 0  # the recent band W
+    d: int = 64
+    group: int = 3
+    kv_heads: int = 2
+    batch: int = 2
+    dtype: torch.dtype = torch.float32
+    mean: bool = False
+    key_scale: bool = False
+    value_scale: bool = False
+    norm_mantissa: int | None = None
+    sliding: int | None = None
+    softcap: float | None = None
+    padding: bool = True
+    dense: bool = False
+    steps: tuple = ((0, 19), (19, 20), (20, 21), (21, 25))
+
+
+CASES = [
+    Case("presets' format", band=8, n_sink=1, window=6, mean=True, norm_mantissa=6),
+    Case(
+        "prod keys, exact values and band",
+        keys=("turboquant-prod", 3, {"qjl_sketch": "orthogonal"}),
+        values=None,
+        band="exact",
+        n_sink=2,
+        window=4,
+        d=128,
+        group=4,
+        kv_heads=1,
+    ),
+    Case(
+        "exact layer, sliding window",
+        keys=None,
+        values=None,
+        group=1,
+        sliding=6,
+        steps=((0, 9), (9, 10), (10, 11), (11, 12), (12, 13), (13, 17), (17, 18), (18, 19)),
+    ),  # fmt: skip
+    Case(
+        "rotor, exact band with coded values, softcap",
+        keys=("rotorquant-mse", 3, {}),
+        values=("rotorquant-mse", 3, {}),
+        band="exact",
+        n_sink=1,
+        window=5,
+        d=96,
+        group=8,
+        kv_heads=1,
+        batch=1,
+        softcap=5.0,
+        padding=False,
+    ),
+    Case(
+        "hadamard, channel scaling, fp16 model",
+        keys=("turboquant-mse", 4, {"rotation": "hadamard"}),
+        values=("turboquant-mse", 3, {"rotation": "hadamard"}),
+        band=6,
+        n_sink=1,
+        window=3,
+        d=256,
+        group=1,
+        kv_heads=1,
+        dtype=torch.float16,
+        mean=True,
+        key_scale=True,
+        value_scale=True,
+    ),
+    Case("group of 20", band=8, n_sink=1, window=4, group=20, kv_heads=1, batch=1),
+    Case("sliding layer with band and sink", band=8, n_sink=1, window=3, sliding=5, mean=True),
+    Case("dense mask", band="exact", n_sink=1, window=4, dense=True),
+]
+
+
+def codec(spec, d, rng, mean=None, scale=None, nm=None) -> VectorCodec:
+    method, bits, options = spec
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    quantizer = make_quantizer(method, d, bits, seed=seed, norm_mantissa_bits=nm, **options)
+    return VectorCodec([ChannelPart(quantizer, None)], d, mean=mean, scale=scale)
+
+
+def build_layer(case: Case, rng) -> CompressedLayer:
+    if case.keys is None:
+        return CompressedLayer(0, None, None, sliding_window=case.sliding)
+    d, kv = case.d, case.kv_heads
+    mean = torch.randn(kv, d, generator=rng) if case.mean else None
+
+    def positive(flag):
+        return torch.exp(0.5 * torch.randn(kv, d, generator=rng)) if flag else None
+
+    nm = case.norm_mantissa
+    key_codec = codec(case.keys, d, rng, mean, positive(case.key_scale), nm)
+    value_codec = None
+    if case.values is not None:
+        value_codec = codec(case.values, d, rng, None, positive(case.value_scale), nm)
+    bands = (None, None)
+    if isinstance(case.band, int):
+        family = case.keys[0].rsplit("-", 1)[0] + "-mse"
+        band_spec = (family, case.band, case.keys[2])
+        bands = (
+            codec(band_spec, d, rng, mean, None, nm),
+            codec(band_spec, d, rng, None, None, nm) if value_codec is not None else None,
+        )
+    window = case.window if case.band is not None else 0
+    return CompressedLayer(
+        0, key_codec, value_codec, case.n_sink, window, bands, sliding_window=case.sliding
+    )
+
+
+def mask_for(case: Case, padding, first: int, last: int, rng):
+    kv_offset = 0 if case.sliding is None else max(0, first - case.sliding + 1)
+    causal = CausalMask(
+        case.batch, first, last - first, kv_offset, last - kv_offset, case.sliding, padding
+    )
+    if not case.dense:
+        return causal
+    dense = causal.dense() | (torch.rand(case.batch, 1, last - first, last, generator=rng) < 0.3)
+    return DenseMask(dense, 0)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    error = float((out.double() - ref).abs().max() / ref.abs().max())
+    print(f"relative error {error:.3e}")
+    return error
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_triton_attention_matches_the_torch_implementation(case, rng):
+    layer = build_layer(case, rng)
+    layer.active = True
+    total = case.steps[-1][1]
+    keys = torch.randn(case.batch, case.kv_heads, total, case.d, generator=rng) * 2
+    values = torch.randn(case.batch, case.kv_heads, total, case.d, generator=rng)
+    keys, values = keys.to(case.dtype), values.to(case.dtype)
+    padding = None
+    if case.padding:
+        padding = torch.ones(case.batch, total, dtype=torch.bool)
+        padding[-1, :3] = False  # the last row is left-padded by 3 slots
+    scale = case.d**-0.5
+    for first, last in case.steps:
+        layer.update(keys[:, :, first:last], values[:, :, first:last])
+        q_heads = case.kv_heads * case.group
+        q = torch.randn(case.batch, q_heads, last - first, case.d, generator=rng).to(case.dtype)
+        mask = mask_for(case, None if padding is None else padding[:, :last], first, last, rng)
+        state = layer.state()
+        options = dict(scale=scale, softcap=case.softcap)
+        expected = reference.attention(state, q.double(), mask, dtype=torch.float64, **options)
+        got = kernels.attention(state, q, mask, backend="triton", **options)
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        assert relative_error(got, expected) <= TOLERANCE
+        torch_path = kernels.attention(state, q, mask, backend="torch", **options)
+        assert relative_error(torch_path, expected) <= TOLERANCE
+        if padding is not None and first < 3 and not case.dense:  # pad queries see no key
+            assert torch.equal(got[-1, :, : 3 - first], torch.zeros_like(got[-1, :, : 3 - first]))
+    if case.sliding is not None:  # tokens beyond the window are evicted, not only masked
+        ring = layer.streams["keys"].rings[0]
+        from rqlib.hf.cache import SHORT_QUERY
+
+        assert ring.capacity <= 2 * round_capacity(case.sliding - 1 + SHORT_QUERY - 1)
+        assert layer.stored_tokens()["keys"] == case.sliding
+
+
+def test_a_state_the_kernel_cannot_serve_is_refused(rng):
+    d = 64
+    q1 = make_quantizer("turboquant-mse", 8, 3, seed=1)
+    q2 = make_quantizer("turboquant-mse", d - 8, 3, seed=2)
+    channels = torch.arange(8).expand(1, 8)
+    rest = torch.arange(8, d).expand(1, d - 8)
+    split = VectorCodec([ChannelPart(q1, channels), ChannelPart(q2, rest)], d)
+    with pytest.raises(ValueError, match="outlier channel split"):
+        kernels.check_layer(split, None)
+    layer = CompressedLayer(0, split, None)
+    layer.active = True
+    layer.update(torch.randn(1, 1, 5, d), torch.randn(1, 1, 5, d))
+    mask = CausalMask(1, 0, 5, 0, 5)
+    q = torch.randn(1, 2, 5, d)
+    with pytest.raises(ValueError, match="outlier channel split"):
+        kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")
+    # the torch implementation serves it
+    assert torch.isfinite(kernels.attention(layer.state(), q, mask, scale=0.1)).all()
+    with pytest.raises(ValueError, match="head_dim 32 has no kernel"):
+        kernels.check_layer(codec(("turboquant-mse", 3, {}), 32, rng), None)
