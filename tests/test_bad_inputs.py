@@ -3,10 +3,9 @@
 Each row is an input a user could give (or a state a crash could leave) and the outcome it must
 have: a specific error type with a fragment of its message (:class:`Raises`), or a specific
 correct result (:class:`Gives`, which says it in words). Rows that need a real model (the CLI
-checks against SmolLM2) load it once. The three rows about a copied cache and a failure in the
-middle of a forward describe the cache invariants the compressed cache's layers must keep;
-they are marked ``xfail(strict=True)`` until that cache lands (a strict xfail fails as soon as
-they pass, so they will be flipped, not forgotten).
+checks against SmolLM2) load it once. The rows about a copied cache and a failure in the middle
+of a forward hold the compressed cache's layers to their invariants: a copy refuses updates, and
+a failed step is rolled back.
 """
 
 from __future__ import annotations
@@ -52,7 +51,6 @@ from rqlib.spec.config import CompressionConfig
 from rqlib.study import allocation
 
 VOCAB = 101
-NEEDS_FAST_PATH = pytest.mark.xfail(strict=True, reason="needs the fast-path cache")
 
 
 # ---- the table's vocabulary --------------------------------------------------------------------
@@ -196,7 +194,8 @@ def failure_mid_forward(ctx: Context):
             pass
         finally:
             hook.remove()
-        lengths = {layer.get_seq_length() for layer in cache.layers}
+        # what the model and generate() read: every layer's length through the cache
+        lengths = {cache.get_seq_length(i) for i in range(len(cache.layers))}
         try:
             logits = model(step, cache=cache).logits
         except RuntimeError as error:  # marked unusable: the message must say why
@@ -839,13 +838,11 @@ ROWS = [
         "deep-copied cache used after its block",
         deep_copied_cache,
         Raises(RuntimeError, r"cop(y|ied)|compress"),
-        (NEEDS_FAST_PATH,),
     ),
     Row(
         "pickled cache used after its block",
         pickled_cache,
         Raises(RuntimeError, r"cop(y|ied)|compress"),
-        (NEEDS_FAST_PATH,),
     ),
     Row(
         "failure in the middle of a forward",
@@ -854,7 +851,6 @@ ROWS = [
             "all layers at one length and the next step exact, or a clear error",
             _consistent_after_failure,
         ),
-        (NEEDS_FAST_PATH,),
     ),
     # allocation tables and fingerprints
     Row(

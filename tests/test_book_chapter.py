@@ -73,7 +73,9 @@ def test_finish_saves_the_results_file_when_run_id_is_set(monkeypatch, tmp_path)
     run.metrics.update(n_runs=3, best_value=1.5)
     prov = provenance(model="none (test)", corpus="none (test)", tokens=0)
     path = run.finish(prov)
-    assert path == tmp_path / "05_sweeps" / "unit.json"
+    # a run from a tree with uncommitted library changes is saved beside, as *.dirty.json
+    expected = "unit.dirty.json" if prov.commit.endswith("-dirty") else "unit.json"
+    assert path == tmp_path / "05_sweeps" / expected
     from rqlib.book.results import collect
 
     row = collect("05_sweeps", directory=tmp_path).iloc[0]

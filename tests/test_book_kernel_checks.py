@@ -15,11 +15,11 @@ from rqlib.study import bench
 def test_the_checks_pass_on_the_interpreted_kernels(rng):
     seed = int(torch.randint(0, 1000, (1,), generator=rng))
     scores = kernel_checks.scores_check(64, 3, 2, seed, "cpu")
-    decode = kernel_checks.decode_check(64, 3, 4, 2, seed, "cpu")
+    attention = kernel_checks.attention_check(64, 3, 4, 2, seed, "cpu")
     bound = kernel_checks.tolerance("cpu")
     assert scores["vs_float64"] <= bound and scores["vs_inner_product"] <= bound
-    assert decode["exact_tokens"] <= bound and decode["window"] <= bound
-    assert decode["partitions"] == 4 and decode["window_partitions"] == 3
+    assert attention["prompt"] <= bound and attention["decode"] <= bound
+    assert attention["splits"] == 4
 
 
 def test_the_scores_check_sees_a_kernel_off_by_a_part_in_ten_thousand(monkeypatch, rng):
@@ -28,6 +28,14 @@ def test_the_scores_check_sees_a_kernel_off_by_a_part_in_ten_thousand(monkeypatc
     scores = kernel_checks.scores_check(64, 3, 2, 0, "cpu")
     # a relative error of 1e-4 everywhere is ten times the bound
     assert scores["vs_float64"] > kernel_checks.tolerance("cpu")
+
+
+def test_the_attention_check_sees_a_kernel_off_by_a_part_in_ten_thousand(monkeypatch):
+    real = kernels.attention
+    monkeypatch.setattr(kernels, "attention", lambda *a, **k: real(*a, **k) * (1 + 1e-4))
+    attention = kernel_checks.attention_check(64, 3, 4, 2, 0, "cpu")
+    bound = kernel_checks.tolerance("cpu")
+    assert attention["prompt"] > bound and attention["decode"] > bound
 
 
 def test_benchmark_arguments_are_the_cli_defaults_with_the_chapter_values():

@@ -12,7 +12,9 @@ Logit tolerance. Both paths compute the same sums in fp32 in different orders: a
 agree to ~1e-6 relative (tests/test_kernels_attention.py measures ~4e-7), which a few layers of a
 random model with logits of magnitude ~1 amplify to well under 1e-4; a code that flips at a
 decision boundary between the two paths (a key within ~1e-7 of a boundary) would move a logit
-by ~1e-2 instead, so the test also reports whether the stored codes are identical.
+by up to ~1e-2 instead (measured: one flipped byte, 3e-4). So the logits must agree within
+1e-4 when every stored byte is identical, and within 1e-2 when a code flipped; the tokens must
+be identical either way.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rqlib.spec.presets import PRESETS
 pytestmark = pytest.mark.interpreter
 
 LOGIT_TOL = 1e-4
+FLIPPED_CODE_TOL = 1e-2
 
 
 def stored_codes(cache) -> list[torch.Tensor]:
@@ -68,7 +71,8 @@ def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
     difference = (kernel_logits - logits).abs().max().item()
     print(f"max logit difference {difference:.2e}; stored bytes that differ: {flipped}")
     assert torch.equal(kernel_tokens, tokens)
-    assert math.isfinite(difference) and difference <= LOGIT_TOL
+    assert math.isfinite(difference)
+    assert difference <= (LOGIT_TOL if flipped == 0 else FLIPPED_CODE_TOL)
 
 
 def test_a_config_the_kernel_cannot_serve_is_refused_when_built_on_cuda(rng, monkeypatch):

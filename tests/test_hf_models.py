@@ -23,9 +23,11 @@ pytestmark = pytest.mark.model
 # model's own eager attention differs from its sdpa by exactly as much (12 slices of 200
 # tokens: identical maxima, 4.7e-5 to 1.32e-4), so the bound is held where eager holds it.
 LOGIT_TOL = 1e-4
-# the exact path does the operations of the model's eager attention in the same order: 0 on
-# the same 12 slices; 1e-5 is ~5 ulps of fp32 at |logit| ~20
-EAGER_TOL = 1e-5
+# the exact path attends in key blocks with an online softmax in fp32: the same sums as the
+# eager attention in another order. Measured up to 1e-4 at |logit| ~20 (the size of the
+# eager-vs-SDPA difference, ~5e-6 relative); 5e-4 keeps a 5x margin, while a token read from
+# the wrong place or a mask off by one moves logits by more than 1e-2
+EAGER_TOL = 5e-4
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ length a multiple of a tile) against independent torch computations, with every 
 starting as NaN so that an element a kernel forgot to write shows up as an error.
 
 :func:`scores_check` compares ``rqlib.kernels.fused_scores`` with the float64 torch reference and
-with ``Quantizer.inner_product``; :func:`decode_check` compares ``decode_attention`` with
-compressed values and exact sink / recent tokens against the float64 reference, and with fp16
-values and a sliding window against softmax(scores) · V written out. Both return the maximum
-relative errors and the shapes they used. :func:`byte_table` is the byte-count model of
-``rqlib.study.bench`` for several key bit widths; :func:`benchmark` times the kernels on a GPU.
+with ``Quantizer.inner_product``; :func:`attention_check` compares ``rqlib.kernels.attention``
+over a cache layer (packed keys and values, exact sink and recent tokens) with the float64 torch
+implementation, for a prompt and for a decode step. Both return the maximum relative errors.
+:func:`byte_table` is the byte-count model of ``rqlib.study.bench`` for several key bit widths;
+:func:`benchmark` times the kernels on a GPU.
 
 Import this module after ``TRITON_INTERPRET`` is set (on a CPU): it imports ``rqlib.kernels``.
 """
@@ -17,6 +17,7 @@ Import this module after ``TRITON_INTERPRET`` is set (on a CPU): it imports ``rq
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ __all__ = [
     "bench_arguments",
     "benchmark",
     "byte_table",
-    "decode_check",
+    "attention_check",
     "scores_check",
     "tolerance",
 ]
@@ -60,7 +61,6 @@ class Irregular:
     decode_kv_len: int = 200
     n_sink: int = 4
     n_recent: int = 20
-    window: int = 150
     partition: int = 64
 
 
@@ -99,6 +99,14 @@ def bench_arguments(
         hbm_gbps=hbm_gbps,
         cpu=False,
         sweep_tiles=False,
+        # the decode-cpu arguments, at their defaults
+        model="smollm2-135m",
+        context=1024,
+        steps=32,
+        presets=["rq-3.5"],
+        threads=None,
+        json=None,
+        force=False,
     )
 
 
@@ -152,13 +160,18 @@ def scores_check(head_dim: int, bits: int, group: int, seed: int, device: str) -
     }
 
 
-def decode_check(
+def attention_check(
     head_dim: int, bits: int, value_bits: int, group: int, seed: int, device: str
 ) -> dict:
-    """Two decode steps (Triton) against float64: compressed values with exact sink and recent
-    tokens, and fp16 values with a sliding window. ``{"exact_tokens": error, "window": error,
+    """The fused attention (Triton) against the float64 torch implementation on one cache layer
+    that stores prod keys and MSE values as packed codes, exact sink tokens and an exact recent
+    band: a prompt of ``q_len`` queries ending the stored sequence (query and key blocks) and a
+    decode step cut into several splits. ``{"prompt": error, "decode": error, "splits": n,
     "seconds": ...}``."""
     import time
+
+    from rqlib.kernels import limits
+    from rqlib.kernels.state import CausalMask
 
     _poisoned()
     s = IRREGULAR
@@ -167,39 +180,24 @@ def decode_check(
     value_quantizer = make_quantizer(VALUE_METHOD, head_dim, value_bits, seed=seed + 1)
     k = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim) * 2
     v = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim)
-    keys, values = key_quantizer.quantize(k), value_quantizer.quantize(v)
-    q = _gaussian(generator, device, s.batch, s.kv_heads * group, 1, head_dim)
-    exact = dict(
-        sink_keys=k[:, :, : s.n_sink],
-        sink_values=v[:, :, : s.n_sink],
-        recent_keys=k[:, :, -s.n_recent :],
-        recent_values=v[:, :, -s.n_recent :],
-    )
-    scale, partition = head_dim**-0.5, s.partition
-    started = time.perf_counter()
-    out_exact = kernels.decode_attention(
-        q, keys, values, scale=scale, partition_size=partition, backend="triton", **exact
-    )
-    out_window = kernels.decode_attention(
-        q, keys, v.half(), scale=scale, window=s.window, partition_size=partition, backend="triton"
-    )
-    seconds = time.perf_counter() - started
-    exact64 = {name: t.double() for name, t in exact.items()}
-    ref_exact = reference.decode_attention(
-        q.double(), keys, values, scale=scale, dtype=torch.float64, **exact64
-    )
-    # softmax(scores) . V written out: keys before S - window are invisible
-    scores64 = reference.fused_scores(q.double(), keys, scale=scale, dtype=torch.float64)
-    scores64[..., : s.decode_kv_len - s.window] = float("-inf")
-    v64 = v.half().double().repeat_interleave(group, dim=1)  # query head h reads KV head h // g
-    ref_window = torch.softmax(scores64, dim=-1) @ v64
-    return {
-        "exact_tokens": relative_error(out_exact, ref_exact),
-        "window": relative_error(out_window, ref_window),
-        "seconds": seconds,
-        "partitions": math.ceil(s.decode_kv_len / partition),
-        "window_partitions": math.ceil(s.window / partition),
-    }
+    layer = bench.decode_layer(None, key_quantizer, value_quantizer, k, v, s.n_sink, s.n_recent)
+    state, scale = layer.state(), head_dim**-0.5
+    errors, seconds = {}, 0.0
+    default_partition = limits.DEFAULT_PARTITION
+    limits.DEFAULT_PARTITION = s.partition  # several splits even at this short length
+    try:
+        for name, q_len in (("prompt", s.q_len), ("decode", 1)):
+            q = _gaussian(generator, device, s.batch, s.kv_heads * group, q_len, head_dim)
+            mask = CausalMask(s.batch, state.end - q_len, q_len, 0, state.end)
+            chunk = dataclasses.replace(state, start=state.end - q_len)
+            started = time.perf_counter()
+            out = kernels.attention(chunk, q, mask, scale=scale, backend="triton")
+            seconds += time.perf_counter() - started
+            exact = reference.attention(chunk, q.double(), mask, scale=scale, dtype=torch.float64)
+            errors[name] = relative_error(out, exact)
+    finally:
+        limits.DEFAULT_PARTITION = default_partition
+    return {**errors, "splits": math.ceil(s.decode_kv_len / s.partition), "seconds": seconds}
 
 
 def benchmark(args: argparse.Namespace, device: str = "cuda") -> pd.DataFrame:
