@@ -1,21 +1,9 @@
 """Install a compressed cache on a model: :func:`compress` and :func:`build_cache`.
 
-::
-
-    from rqlib.hf import compress
-    from rqlib.spec.config import CompressionConfig
-
-    config = CompressionConfig.parse("turboquant-mse:k3:v4:sink1:win32:ctr")
-    with compress(model, config, tokenizer=tokenizer) as cache:
-        logits = model(input_ids, past_key_values=cache).logits
-        cache.reset()                       # before an unrelated sequence
-        model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
-
-Integration is only through public extension points: an attention function and a mask
-function registered with ``AttentionInterface`` / ``AttentionMaskInterface`` under the name
-``"rqlib"`` (:mod:`rqlib.hf.attention`) and a ``transformers.Cache`` subclass
-(:mod:`rqlib.hf.cache`). No model code is copied or patched: :func:`compress` only switches
-the ``_attn_implementation`` of the model's configs to ``"rqlib"`` and back.
+:func:`compress` takes a resolved :class:`~rqlib.spec.config.CompressionConfig` (a spec string,
+or the configs of :func:`rqlib.study.allocation.resolve` for presets and budgets), builds the
+cache and switches the model's attention to ``"rqlib"`` for the block; the package docstring
+(:mod:`rqlib.hf`) shows the use and the extension points.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rqlib.kernels.triton_common import code_scores, load_codes, sign_scores
+from rqlib.kernels.triton_common import code_scores, exact_scores, load_codes, sign_scores
 
 
 @triton.jit
@@ -54,30 +54,6 @@ def load_norms(row_ptr, slots, width, valid, nbytes):
     field = ((b0 | (b1 << 8) | (b2 << 16)) >> shift) & ((1 << width) - 1)
     pattern = field << tl.where(width < 16, 15 - width, 0)
     return pattern.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def exact_scores(
-    q_ptr, q_rows, row_mask, dim, x_ptr, slots, stride_s, key_mask,
-    BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
-    """``<q_row, x_key>`` for rows x keys from exact vectors ``x`` (any float dtype)."""
-    cols = tl.arange(0, CHUNK)
-    rows_ptr = x_ptr + slots.to(tl.int64)[:, None] * stride_s
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
-    for c0 in range(0, dim, CHUNK):
-        c = c0 + cols
-        c_mask = c < dim
-        q_tile = tl.load(
-            q_ptr + q_rows[:, None] * dim + c[None, :],
-            mask=row_mask[:, None] & c_mask[None, :],
-            other=0.0,
-        )
-        x_tile = tl.load(
-            rows_ptr + c[None, :], mask=key_mask[:, None] & c_mask[None, :], other=0.0
-        ).to(tl.float32)
-        acc += tl.dot(q_tile, tl.trans(x_tile), input_precision="ieee")
-    return acc
 
 
 @triton.jit

@@ -1,5 +1,6 @@
 """Triton building blocks shared by the kernels: read b-bit codes and sign bits from packed rows,
-and the two dot products of the estimator (codes, QJL signs) against rows of queries.
+and the dot products of rows of queries with a tile of keys: from codes and QJL signs (the
+estimator's two terms) and from exact vectors.
 
 Storage layout (rqlib.core.packing): an LSB-first bit stream per vector; code j occupies stream bits
 j*b .. j*b+b-1, stream bit t is bit t % 8 of byte t // 8. A code of b <= 8 bits therefore lies
@@ -73,6 +74,16 @@ def pack_store(
 
 
 @triton.jit
+def query_chunk(q_ptr, q_rows, row_mask, dim, cols, col_mask):
+    """Rows x chunk of a query-side array ``[rows, dim]`` (zeros outside rows and columns)."""
+    return tl.load(
+        q_ptr + q_rows[:, None] * dim + cols[None, :],
+        mask=row_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def code_scores(
     q_ptr, q_rows, row_mask, dim, codes_ptr, slots, stride_s, key_mask, bits, code_bytes,
     centroids_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
@@ -84,11 +95,7 @@ def code_scores(
     for c0 in range(0, dim, CHUNK):
         c = c0 + cols
         c_mask = c < dim
-        q_tile = tl.load(
-            q_ptr + q_rows[:, None] * dim + c[None, :],
-            mask=row_mask[:, None] & c_mask[None, :],
-            other=0.0,
-        )
+        q_tile = query_chunk(q_ptr, q_rows, row_mask, dim, c, c_mask)
         k_mask = key_mask[:, None] & c_mask[None, :]
         codes = load_codes(rows_ptr, c, k_mask, bits, code_bytes)
         k_tile = tl.load(centroids_ptr + codes, mask=k_mask, other=0.0)
@@ -108,11 +115,27 @@ def sign_scores(
     for m0 in range(0, m_dim, CHUNK):
         m = m0 + cols
         m_mask = m < m_dim
-        s_tile = tl.load(
-            q_ptr + q_rows[:, None] * m_dim + m[None, :],
-            mask=row_mask[:, None] & m_mask[None, :],
-            other=0.0,
-        )
+        s_tile = query_chunk(q_ptr, q_rows, row_mask, m_dim, m, m_mask)
         signs = load_signs(rows_ptr, m, key_mask[:, None] & m_mask[None, :])
         acc += tl.dot(s_tile, tl.trans(signs), input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def exact_scores(
+    q_ptr, q_rows, row_mask, dim, x_ptr, slots, stride_s, key_mask,
+    BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """``<q_row, x_key>`` for rows x keys from exact vectors ``x`` (any float dtype)."""
+    cols = tl.arange(0, CHUNK)
+    rows_ptr = x_ptr + slots.to(tl.int64)[:, None] * stride_s
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
+    for c0 in range(0, dim, CHUNK):
+        c = c0 + cols
+        c_mask = c < dim
+        q_tile = query_chunk(q_ptr, q_rows, row_mask, dim, c, c_mask)
+        x_tile = tl.load(
+            rows_ptr + c[None, :], mask=key_mask[:, None] & c_mask[None, :], other=0.0
+        ).to(tl.float32)
+        acc += tl.dot(q_tile, tl.trans(x_tile), input_precision="ieee")
     return acc
