@@ -8,8 +8,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from rqlib.base.paths import CHECKOUT
 
 MACHINE_PATH = re.compile(r'"(/(?:work|home|root|tmp|Users|mnt|var)/[^"]*)"')
@@ -38,11 +36,6 @@ def test_committed_results_name_no_machine_path():
     assert not found, f"absolute machine paths in committed results: {found}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the committed chapter-4 sweep predates the dirty marking; it is regenerated with "
-    "the command chapter 5 shows",
-)
 def test_committed_sweeps_hold_no_run_from_a_dirty_tree():
     runs = tracked("results/*/*.json")
     assert runs, "no committed sweep runs found"
