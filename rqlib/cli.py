@@ -626,6 +626,12 @@ def _run_bench(args: argparse.Namespace) -> int:
             _at_least(name, getattr(args, name), minimum)
         if args.threads is not None:
             _at_least("threads", args.threads, 1)
+        from rqlib.spec.presets import PRESETS
+
+        unknown = [name for name in args.presets if name not in PRESETS]
+        if unknown:
+            known = ", ".join(sorted(PRESETS))
+            raise UsageError(f"--presets: unknown preset {unknown[0]!r}; known presets: {known}")
         _check_output(args.json, args.force)
         with _user_input(f"--model {args.model}"):
             result = decode_cpu(

@@ -11,6 +11,7 @@ a failed step is rolled back.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import pickle
@@ -639,7 +640,7 @@ def cli(*argv: str, needs_model: bool = False, forbid: tuple[str, ...] = ()):
             def reached(*args, _name=dotted, **kwargs):
                 raise AssertionError(f"{_name} ran before the input was checked")
 
-            ctx.monkeypatch.setattr(sys.modules[module], name, reached)
+            ctx.monkeypatch.setattr(importlib.import_module(module), name, reached)
         ctx.capsys.readouterr()
         arguments = [a.replace("{tmp}", str(ctx.tmp)) for a in argv]
         try:
@@ -1122,6 +1123,11 @@ ROWS = [
         "experiment: an unknown preset",
         cli("experiment", "--json", "{tmp}/e.json", "--presets", "rq-9"),
         one_line_error(r"unknown preset 'rq-9'"),
+    ),
+    Row(
+        "bench decode-cpu: an unknown preset",
+        cli("bench", "decode-cpu", "--presets", "rq-9", forbid=("rqlib.study.bench.decode_cpu",)),
+        one_line_error(r"--presets: unknown preset 'rq-9'"),
     ),
     Row(
         "bench: head_dim 0",
