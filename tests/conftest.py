@@ -16,7 +16,11 @@ import torch  # noqa: E402
 
 @pytest.fixture
 def rng() -> torch.Generator:
-    """A generator with a fresh random seed for each test; the seed is printed on failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A generator with a fresh random seed for each test; the seed is printed on failure.
+
+    ``RQLIB_TEST_SEED=<seed> pytest <test>`` replays a failure with the seed it printed.
+    """
+    replay = os.environ.get("RQLIB_TEST_SEED")
+    seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
     print(f"random seed: {seed}")
     return torch.Generator().manual_seed(seed)
