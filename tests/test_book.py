@@ -105,3 +105,21 @@ def test_how_to_cite():
     page = (ROOT / "book" / "cite.md").read_text()
     assert "```bibtex" in page and "CITATION.cff" in page
     assert "book/cite" in toc_files(load("_toc.yml")["parts"])
+
+
+def test_no_control_characters_in_the_prose():
+    """A LaTeX command written through a non-raw Python string loses its backslash: ``\\times``
+    becomes a tab and ``imes``. The chapters' markdown and the book's pages hold no control
+    character (tab, backspace, form feed, bell, vertical tab, carriage return)."""
+    control = re.compile(r"[\t\x07\x08\x0b\x0c\r]")
+    sources = {p.name: [p.read_text()] for p in (ROOT / "book").glob("*.md")}
+    for path in (ROOT / "notebooks").glob("*.ipynb"):
+        notebook = nbformat.read(path, as_version=4)
+        sources[path.name] = [c.source for c in notebook.cells if c.cell_type == "markdown"]
+    found = [
+        f"{name}: {text[max(0, m.start() - 20) : m.end() + 20]!r}"
+        for name, texts in sources.items()
+        for text in texts
+        for m in control.finditer(text)
+    ]
+    assert not found, found

@@ -3,7 +3,8 @@
 ``python -m rqlib.kernels.aot`` runs in a subprocess without TRITON_INTERPRET (the kernels must
 be real JITFunctions) and a fresh Triton cache (so every specialization is really compiled,
 not read back from an earlier run). It prints one JSON record per (specialization, arch); the
-test fails if any did not produce a cubin, and prints registers, spills and shared memory.
+test fails if any did not produce a cubin or spills registers where it should not, and prints
+registers, spills, shared memory and the theoretical occupancy of each.
 """
 
 from __future__ import annotations
@@ -13,9 +14,17 @@ import os
 import subprocess
 import sys
 
-from rqlib.kernels.aot import specializations
+import pytest
+
+from rqlib.kernels.aot import SM_LIMITS, occupancy, specializations
 
 REQUIRED_ARCHS = {"sm_80", "sm_90"}
+#: Kernels known to spill registers to local memory. The attention kernel keeps three
+#: accumulators of BLOCK_ROWS x BLOCK_V, the score tile and the decoded value tiles of up to
+#: three streams live at once: 255 registers and 48 bytes of stack at BLOCK_V = 64, up to
+#: ~1.8 KB at 512 (neither 16 warps nor 16-coordinate chunks remove it). The test fails when the
+#: set changes, so a fix (or a new spill) updates this line.
+SPILLING = {"attention_kernel"}
 
 
 def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
@@ -38,11 +47,11 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     stderr = "".join(err for _, err in outputs)
     returncode = max(process.returncode for process in processes)
     records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    print(f"{'arch':<7} {'regs':>5} {'spill':>6} {'smem':>7}  kernel")
+    print(f"{'arch':<7} {'regs':>5} {'spill':>6} {'smem':>7} {'occupancy':>10}  kernel")
     for r in records:
         print(
             f"{r['arch']:<7} {r.get('regs', '?'):>5} {r.get('stack', '?'):>6} "
-            f"{r.get('shared', '?'):>7}  {r['kernel']}"
+            f"{r.get('shared', '?'):>7} {r.get('occupancy', float('nan')):>10.3f}  {r['kernel']}"
         )
     failed = [r for r in records if not r["ok"]]
     assert not failed, failed
@@ -53,6 +62,29 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     expected = {(s.label, arch) for s in specializations() for arch in archs}
     assert compiled == expected
     assert all("regs" in r for r in records), "cuobjdump reported no register count"
+    spilling = {r["kernel"].split("[")[0] for r in records if r.get("stack", 0) > 0}
+    assert spilling == SPILLING, f"kernels that spill: {spilling}, expected {SPILLING}"
+    assert all(0 < r["occupancy"] <= 1 for r in records)
+
+
+@pytest.mark.parametrize(
+    ("regs", "shared", "warps", "arch", "blocks", "limit"),
+    [
+        # 255 registers: 8160 per warp, rounded to 8192; 65536 / 8192 = 8 warps = 1 block of 8
+        (255, 9216, 8, 90, 1, "registers"),
+        # 64 registers, 4 warps: 2048 per warp, 32 warps by registers = 8 blocks; 64 / 4 = 16
+        (64, 0, 4, 80, 8, "registers"),
+        # 100 KB of shared memory: one block fits the 164 KB of an sm_80 SM, two the 228 KB of sm_90
+        (32, 100 * 1024, 4, 80, 1, "shared memory"),
+        (32, 100 * 1024, 4, 90, 2, "shared memory"),
+        # 16 registers, 1 warp: registers allow 128 blocks, the SM at most 32
+        (16, 0, 1, 90, 32, "warps"),
+    ],
+)
+def test_occupancy_follows_the_cuda_rules(regs, shared, warps, arch, blocks, limit):
+    result = occupancy(regs, shared, warps, arch)
+    assert (result["blocks"], result["limit"]) == (blocks, limit)
+    assert result["occupancy"] == blocks * warps / SM_LIMITS[arch]["warps"]
 
 
 def supported_archs_in_subprocess(env: dict) -> list[int]:

@@ -230,3 +230,31 @@ def test_a_state_the_kernel_cannot_serve_is_refused(rng):
     assert torch.isfinite(kernels.attention(layer.state(), q, mask, scale=0.1)).all()
     with pytest.raises(ValueError, match="head_dim 32 has no kernel"):
         kernels.check_layer(codec(("turboquant-mse", 3, {}), 32, rng), None)
+
+
+def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
+    """A decode step cut into 16-key splits by the argument (the default left at 512) equals
+    the reference; a partition that is not a positive multiple of the key tile is refused."""
+    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 512)
+    d, total = 64, 200
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    quantizer = make_quantizer("turboquant-mse", d, 3, seed=seed)
+    layer = CompressedLayer(0, VectorCodec([ChannelPart(quantizer, None)], d), None)
+    layer.active = True
+    keys, values = torch.randn(2, 1, 1, total, d, generator=rng)
+    layer.update(keys, values)
+    state = dataclasses.replace(layer.state(), start=total - 1)
+    mask = CausalMask(1, total - 1, 1, 0, total)
+    q = torch.randn(1, 2, 1, d, generator=rng)
+    expected = reference.attention(state, q.double(), mask, scale=0.1, dtype=torch.float64)
+    calls = []
+    original = launch.attention
+    monkeypatch.setattr(
+        launch, "attention", lambda *a: calls.append(a[-1]) or original(*a), raising=True
+    )
+    got = kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=16)
+    assert calls == [16]
+    assert relative_error(got, expected) <= TOLERANCE
+    for bad in (0, -16, 10, 16.0, True):
+        with pytest.raises(ValueError, match="partition must be a positive multiple of 16"):
+            kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)

@@ -170,7 +170,6 @@ def attention_check(
     "seconds": ...}``."""
     import time
 
-    from rqlib.kernels import limits
     from rqlib.kernels.state import CausalMask
 
     _poisoned()
@@ -180,23 +179,21 @@ def attention_check(
     value_quantizer = make_quantizer(VALUE_METHOD, head_dim, value_bits, seed=seed + 1)
     k = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim) * 2
     v = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim)
-    layer = bench.decode_layer(None, key_quantizer, value_quantizer, k, v, s.n_sink, s.n_recent)
+    layer = bench.decode_layer(key_quantizer, value_quantizer, k, v, s.n_sink, s.n_recent)
     state, scale = layer.state(), head_dim**-0.5
     errors, seconds = {}, 0.0
-    default_partition = limits.DEFAULT_PARTITION
-    limits.DEFAULT_PARTITION = s.partition  # several splits even at this short length
-    try:
-        for name, q_len in (("prompt", s.q_len), ("decode", 1)):
-            q = _gaussian(generator, device, s.batch, s.kv_heads * group, q_len, head_dim)
-            mask = CausalMask(s.batch, state.end - q_len, q_len, 0, state.end)
-            chunk = dataclasses.replace(state, start=state.end - q_len)
-            started = time.perf_counter()
-            out = kernels.attention(chunk, q, mask, scale=scale, backend="triton")
-            seconds += time.perf_counter() - started
-            exact = reference.attention(chunk, q.double(), mask, scale=scale, dtype=torch.float64)
-            errors[name] = relative_error(out, exact)
-    finally:
-        limits.DEFAULT_PARTITION = default_partition
+    for name, q_len in (("prompt", s.q_len), ("decode", 1)):
+        q = _gaussian(generator, device, s.batch, s.kv_heads * group, q_len, head_dim)
+        mask = CausalMask(s.batch, state.end - q_len, q_len, 0, state.end)
+        chunk = dataclasses.replace(state, start=state.end - q_len)
+        started = time.perf_counter()
+        # a short partition: several splits even at this short length
+        out = kernels.attention(
+            chunk, q, mask, scale=scale, backend="triton", partition=s.partition
+        )
+        seconds += time.perf_counter() - started
+        exact = reference.attention(chunk, q.double(), mask, scale=scale, dtype=torch.float64)
+        errors[name] = relative_error(out, exact)
     return {**errors, "splits": math.ceil(s.decode_kv_len / s.partition), "seconds": seconds}
 
 

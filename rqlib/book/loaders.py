@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from rqlib.book.results import results_dir
-from rqlib.spec.presets import TARGETS
+from rqlib.spec.presets import PEER_TARGETS, TARGETS
 
 __all__ = [
     "COMMITTED",
@@ -22,6 +22,13 @@ __all__ = [
     "committed_file",
     "committed_numbers",
     "committed_overview",
+    "HEADLINE",
+    "headline_frame",
+    "headline_numbers",
+    "headline_styled",
+    "headline_table",
+    "headline_targets",
+    "mode_agreement",
     "keys_only_pivot",
     "preset_table",
     "load_ablation",
@@ -49,6 +56,23 @@ COMMITTED = {
     "seeds-smollm2.json": "rq-3.5 with three other rotation seeds",
     "ablation-smollm2.json": "each preset with one lever changed at a time",
 }
+
+#: The side-by-side runs on held-out text (wikitext-2 test from token 100000 on), by file ->
+#: what it holds. Our caches read every key, the chunk's own included, from its codes, so one
+#: forward per window computes what decode mode computes (``*-check-*`` measure both on one
+#: window); the peers keep a chunk exact, so they run token by token (``decode``) as well.
+HEADLINE = {
+    "headline/smollm2-prefill-w1024.json": "held out, 1024: everything, one forward per window",
+    "headline/smollm2-decode-w1024.json": "held out, 1024: quanto, token by token",
+    "headline/smollm2-prefill-w4096.json": "held out, 4096: everything, one forward per window",
+    "headline/smollm2-decode-w4096.json": "held out, 4096: quanto, token by token",
+    "headline/smollm2-prefill-check-w1024.json": "first held-out window: one forward",
+    "headline/smollm2-decode-check-w1024.json": "first held-out window: presets, token by token",
+    "headline/smollm2-decode-more-w1024.json": "first held-out window: HQQ, fp8, exact cache",
+    "headline/gemma3-prefill-w1024.json": "held out, Gemma 3: one forward per window",
+    "headline/gemma3-decode-w1024.json": "first held-out window, Gemma 3: quanto, token by token",
+}
+COMMITTED.update(HEADLINE)
 
 
 def committed_file(name: str, directory: Path | str | None = None) -> Path:
@@ -362,3 +386,191 @@ def _headline_kind(config: dict | None) -> str:
     if "peer" not in config:
         return "rqlib"
     return "control" if config["backend"] == "dynamic" else "peer"
+
+
+def headline_frame(directory: Path | str | None = None) -> pd.DataFrame:
+    """Every row of the :data:`HEADLINE` files (:func:`load_headline`), with the file's name
+    (``file``) and the model's short name (``short``: a key of :data:`MODELS`)."""
+    frames = []
+    for name in HEADLINE:
+        frame = load_headline(committed_file(name, directory))
+        frames.append(frame.assign(file=name, short=name.split("/")[1].split("-")[0]))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _runs(frame: pd.DataFrame, short: str, window: int, first_window: bool) -> pd.DataFrame:
+    """The rows of one model at one window: of the many-window runs, or of the runs on the
+    first window alone (the ``-check-`` and ``-more-`` files)."""
+    rows = frame[(frame["short"] == short) & (frame["window"] == window)]
+    checks = rows["file"].str.contains("-check-|-more-")
+    return rows[checks] if first_window else rows[~checks]
+
+
+def headline_table(
+    frame: pd.DataFrame, short: str, window: int, *, first_window: bool = False
+) -> pd.DataFrame:
+    """The side-by-side of one model at one window, one row per method run in one forward
+    per window (``fp`` first): its bits per K+V coordinate, what decode mode measures
+    (``delta_ppl_pct``, ``kl``, ``top1``; ``decode_run``: ``"token by token"``, or
+    ``"one forward"`` for our caches where no token-by-token run exists: they read every key
+    from its codes, so one forward computes what decode mode does) and what one forward
+    reports (``prefill_delta_ppl_pct``, ``prefill_kl``); ``windows``, the number of windows
+    behind the decode numbers. A peer without a token-by-token run is left out: one forward
+    says nothing about it. ``first_window``: the runs on the first window alone."""
+    runs = _runs(frame, short, window, first_window)
+    prefill = runs[runs["mode"] == "prefill"].set_index("method")
+    decode = runs[runs["mode"] == "decode"].set_index("method")
+    rows = []
+    for method, one in prefill.iterrows():
+        measured = decode.loc[method] if method in decode.index else None
+        if one["kind"] in ("peer", "control") and measured is None:
+            continue
+        source = one if measured is None else measured
+        rows.append(
+            {
+                "method": method,
+                "kind": one["kind"],
+                "bits_mean": one["bits_mean"],
+                "delta_ppl_pct": source["delta_ppl_pct"],
+                "kl": source["kl"],
+                "top1": source["top1"],
+                "decode_run": "one forward" if measured is None else "token by token",
+                "prefill_delta_ppl_pct": one["delta_ppl_pct"],
+                "prefill_kl": one["kl"],
+                "windows": int(source["windows"]),
+                "seconds_per_token": source["seconds_per_token"],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
+    """Our caches on one window, token by token against one forward (``first``: a
+    :func:`headline_table` of ``first_window=True``): ``method``, ``kl_decode``,
+    ``kl_prefill``, ``kl_ratio`` (decode over one forward)."""
+    ours = first[(first["kind"] == "rqlib") & (first["decode_run"] == "token by token")]
+    return pd.DataFrame(
+        {
+            "method": ours["method"].to_numpy(),
+            "kl_decode": ours["kl"].to_numpy(),
+            "kl_prefill": ours["prefill_kl"].to_numpy(),
+            "kl_ratio": (ours["kl"] / ours["prefill_kl"]).to_numpy(),
+        }
+    )
+
+
+#: Windows the held-out targets need, by window length.
+HEADLINE_MIN_WINDOWS = {1024: 8, 4096: 2}
+
+
+def headline_targets(tables: dict[int, pd.DataFrame]) -> pd.DataFrame:
+    """Every held-out target of every preset at every window length (``tables``: window ->
+    :func:`headline_table` of SmolLM2): ``preset``, ``window``, ``target`` (what is asked),
+    ``measured``, ``bound``, ``met``. The presets' own bounds (:data:`TARGETS`) and their
+    bounds against a peer (:data:`PEER_TARGETS`: fewer bits, and a KL at most a ratio of the
+    peer's); a table with fewer windows than :data:`HEADLINE_MIN_WINDOWS` meets nothing."""
+    rows = []
+    for window, table in tables.items():
+        by_method = table.set_index("method")
+        enough = int(table["windows"].min()) >= HEADLINE_MIN_WINDOWS.get(window, 1)
+
+        def add(preset, target, measured, bound, window=window, enough=enough):
+            met = enough and measured <= bound
+            rows.append(
+                {
+                    "preset": preset,
+                    "window": window,
+                    "target": target,
+                    "measured": measured,
+                    "bound": bound,
+                    "met": met,
+                }
+            )
+
+        for preset, target in TARGETS.items():
+            ours = by_method.loc[f"preset:{preset}"]
+            add(preset, "ΔPPL %", ours["delta_ppl_pct"], target.max_delta_ppl_pct)
+            if target.max_kl is not None:
+                add(preset, "KL", ours["kl"], target.max_kl)
+            versus = PEER_TARGETS[preset]
+            if versus.peer not in by_method.index:
+                raise ValueError(f"the {window}-token table has no row for {versus.peer}")
+            peer = by_method.loc[versus.peer]
+            add(preset, f"bits vs {versus.peer}", ours["bits_mean"], peer["bits_mean"])
+            ratio = ours["kl"] / peer["kl"]
+            add(preset, f"KL / KL of {versus.peer}", ratio, versus.max_kl_ratio)
+    return pd.DataFrame(rows)
+
+
+def headline_styled(table: pd.DataFrame, caption: str):
+    """A :func:`headline_table` as the book shows it (a Styler)."""
+    from rqlib.book.tables import styled
+
+    headers = {
+        "method": "method",
+        "bits_mean": "bits per K+V coord.",
+        "delta_ppl_pct": "ΔPPL %",
+        "kl": "KL (nats)",
+        "top1": "top-1",
+        "decode_run": "decode measured in",
+        "prefill_delta_ppl_pct": "one forward: ΔPPL %",
+        "prefill_kl": "one forward: KL",
+        "windows": "windows",
+    }
+    formats = {
+        "bits per K+V coord.": "{:.3f}",
+        "ΔPPL %": "{:+.2f}",
+        "KL (nats)": "{:.4f}",
+        "top-1": "{:.3f}",
+        "one forward: ΔPPL %": "{:+.2f}",
+        "one forward: KL": "{:.4f}",
+    }
+    return styled(table[table["kind"] != "fp"], headers, formats, caption=caption)
+
+
+def headline_numbers(
+    tables: dict[int, pd.DataFrame],
+    targets: pd.DataFrame,
+    first: pd.DataFrame,
+    gemma: pd.DataFrame,
+) -> dict[str, object]:
+    """The numbers the side-by-side section quotes, by glue name: ``held_<window>_<method>_
+    <column>`` for every row of SmolLM2's tables, ``held_<window>_windows``, the targets
+    (``held_targets_met``, ``held_targets_total``, ``held_targets_missed``: a sentence),
+    ``first_<method>_<column>`` of the first window's table, ``agree_<preset>_<column>``
+    (:func:`mode_agreement`) and ``gemma_<method>_<column>``."""
+    from rqlib.book.chapter import slug
+
+    numbers: dict[str, object] = {}
+    for window, table in tables.items():
+        numbers[f"held_{window}_windows"] = int(table["windows"].max())
+        for row in table.itertuples():
+            for column in ("bits_mean", "delta_ppl_pct", "kl", "top1", "prefill_delta_ppl_pct"):
+                numbers[slug("held", window, row.method, column)] = float(getattr(row, column))
+    numbers["held_targets_met"] = int(targets["met"].sum())
+    numbers["held_targets_total"] = len(targets)
+    missed = targets[~targets["met"]]
+    numbers["held_targets_missed"] = (
+        "none"
+        if missed.empty
+        else "; ".join(
+            f"{r.preset} at {r.window} tokens, {r.target}: {r.measured:.4g} against {r.bound:.4g}"
+            for r in missed.itertuples()
+        )
+    )
+    for row in first.itertuples():
+        for column in ("bits_mean", "delta_ppl_pct", "kl", "prefill_delta_ppl_pct"):
+            numbers[slug("first", row.method, column)] = float(getattr(row, column))
+        numbers[slug("first", row.method, "ms_per_token")] = 1000 * row.seconds_per_token
+    agreement = mode_agreement(first)
+    for row in agreement.itertuples():
+        for column in ("kl_decode", "kl_prefill", "kl_ratio"):
+            numbers[slug("agree", row.method, column)] = float(getattr(row, column))
+    numbers["agree_kl_ratio_min"] = float(agreement["kl_ratio"].min())
+    numbers["agree_kl_ratio_max"] = float(agreement["kl_ratio"].max())
+    for row in gemma.itertuples():
+        for column in ("bits_mean", "delta_ppl_pct", "kl", "prefill_delta_ppl_pct"):
+            numbers[slug("gemma", row.method, column)] = float(getattr(row, column))
+    numbers["gemma_windows_min"] = int(gemma["windows"].min())
+    numbers["gemma_windows_max"] = int(gemma["windows"].max())
+    return numbers

@@ -7,9 +7,9 @@
 
     config = resolve("preset:rq-3.5", model, tokenizer)   # a budget becomes per-layer bits
     with compress(model, config, tokenizer=tokenizer) as cache:
-        logits = model(input_ids, past_key_values=cache).logits
+        logits = model(input_ids, cache=cache).logits
         cache.reset()                       # before an unrelated sequence
-        model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+        model.generate(input_ids, cache=cache, max_new_tokens=20)
 
 Integration is only through public extension points: an attention function and a mask
 function registered with ``AttentionInterface`` / ``AttentionMaskInterface`` under the name

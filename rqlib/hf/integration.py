@@ -270,7 +270,7 @@ def compress(
     :func:`rqlib.study.allocation.resolve` first. Configs with key centering, channel scaling
     or outlier channels are calibrated first on ``config.calibration_corpus`` (never the
     evaluation text), with ``tokenizer`` (default: loaded from the model's ``name_or_path``).
-    Pass the yielded cache as ``past_key_values`` to ``forward`` or ``generate``; call
+    Pass the yielded cache as ``cache=`` to ``forward`` or ``generate``; call
     ``cache.reset()`` between unrelated sequences.
 
     The cache is usable only inside this block: it refuses updates once the block ends. A model

@@ -131,6 +131,7 @@ def attention(
     scale: float,
     softcap: float | None = None,
     backend: str | None = None,
+    partition: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, Lq, d]`` over one layer of the compressed cache.
 
@@ -141,7 +142,21 @@ def attention(
     (:func:`rqlib.kernels.reference.attention`) and in one fused Triton kernel
     (:mod:`rqlib.kernels.triton_attention`); a state the kernel cannot serve raises
     ``ValueError`` naming the feature (:func:`rqlib.kernels.limits.check_state`).
+
+    ``partition``: keys per split of a decode step in the Triton kernel (default
+    :data:`rqlib.kernels.limits.DEFAULT_PARTITION`; a positive multiple of
+    ``ATTENTION_BLOCK_S``); the torch path has no splits and ignores it.
     """
+    if partition is not None and (
+        isinstance(partition, bool)
+        or not isinstance(partition, int)
+        or partition <= 0
+        or partition % geo.ATTENTION_BLOCK_S
+    ):
+        raise ValueError(
+            f"partition must be a positive multiple of {geo.ATTENTION_BLOCK_S} keys, got "
+            f"{partition!r}"
+        )
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
         raise ValueError("q must be a float tensor [batch, q_heads, q_len, head_dim]")
     if q.shape[2] != state.end - state.start:
@@ -154,7 +169,9 @@ def attention(
         return reference.attention(state, q, mask, scale=scale, softcap=softcap)
     geo.check_query(q)
     geo.check_state(state)
-    return _launch_module().attention(state, q, mask, float(scale), softcap)
+    return _launch_module().attention(
+        state, q, mask, float(scale), softcap, partition or geo.DEFAULT_PARTITION
+    )
 
 
 def check_layer(keys, values, band_keys=None, band_values=None) -> None:

@@ -4,7 +4,7 @@ No GPU is needed: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch
 the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, and a cubin from the ptxas bundled with
 triton). Registers and spills come from ``cuobjdump --dump-resource-usage`` on the cubin (the
 compiled metadata only gets ``n_regs`` when a kernel is loaded on a device); shared memory from
-the metadata.
+the metadata; the theoretical occupancy from both (:func:`occupancy`).
 
 The kernels must be real ``JITFunction`` objects, so this module refuses to run under
 ``TRITON_INTERPRET=1``; the tests run it in a subprocess without it::
@@ -170,6 +170,37 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return usage
 
 
+#: Per-SM limits of the compute capabilities compiled for (CUDA occupancy rules): registers,
+#: resident warps and blocks, shared memory per SM, and what the driver reserves per block.
+SM_LIMITS = {
+    80: {"regs": 65536, "warps": 64, "blocks": 32, "smem": 167936, "smem_per_block": 1024},
+    90: {"regs": 65536, "warps": 64, "blocks": 32, "smem": 233472, "smem_per_block": 1024},
+    100: {"regs": 65536, "warps": 64, "blocks": 32, "smem": 233472, "smem_per_block": 1024},
+}
+REG_GRANULE = 256  # registers are allocated to a warp in units of 256
+
+
+def occupancy(regs: int, shared: int, num_warps: int, arch: int) -> dict[str, float]:
+    """Theoretical occupancy of a kernel on one SM of sm_``arch``: resident ``blocks``, resident
+    ``warps`` and their fraction of the SM's maximum (``occupancy``), and which resource bounds
+    it (``limit``: ``"registers"``, ``"shared memory"`` or ``"warps"``)."""
+    sm = SM_LIMITS[arch]
+    per_warp = -(-regs * 32 // REG_GRANULE) * REG_GRANULE
+    bounds = {
+        "registers": (sm["regs"] // per_warp) // num_warps if per_warp else sm["blocks"],
+        "shared memory": sm["smem"] // (shared + sm["smem_per_block"]),
+        "warps": min(sm["warps"] // num_warps, sm["blocks"]),
+    }
+    limit = min(bounds, key=bounds.get)
+    blocks = bounds[limit]
+    return {
+        "blocks": blocks,
+        "warps": blocks * num_warps,
+        "occupancy": blocks * num_warps / sm["warps"],
+        "limit": limit,
+    }
+
+
 def compile_kernel(kernel, spec: Specialization, arch: int):
     """``triton.compile`` ``spec`` of ``kernel`` (a JITFunction) for sm_``arch``, no GPU needed.
 
@@ -204,6 +235,8 @@ def compile_one(kernel, spec: Specialization, arch: int) -> dict:
     )
     if "cubin" in compiled.asm:
         record.update(resource_usage(compiled.asm["cubin"]))
+    if "regs" in record and record["shared"] is not None and arch in SM_LIMITS:
+        record.update(occupancy(record["regs"], record["shared"], record["num_warps"], arch))
     return record
 
 

@@ -188,11 +188,14 @@ def _mask_arguments(mask, device):
     return tensor, 1, 0, 0, tensor.shape[-1], mask.kv_offset, (sb, st, sk)
 
 
-def attention(state, q: torch.Tensor, mask, scale: float, softcap: float | None) -> torch.Tensor:
+def attention(
+    state, q: torch.Tensor, mask, scale: float, softcap: float | None, max_partition: int
+) -> torch.Tensor:
     """Launch :func:`attention_kernel` and :func:`reduce_kernel`; float32 ``[B, Hq, Lq, d]``.
 
     The host does only work independent of the context: the query side (rotations of the
-    queries, ``<q, mu>``), views of the buffers, and the rotation of the accumulators back."""
+    queries, ``<q, mu>``), views of the buffers, and the rotation of the accumulators back. A
+    decode step's keys are cut into splits of at most ``max_partition`` keys."""
     batch, q_heads, length, head_dim = q.shape
     device = q.device
     keys, values = state.keys, state.values
@@ -253,7 +256,7 @@ def attention(state, q: torch.Tensor, mask, scale: float, softcap: float | None)
         first = max(first, state.start - window + 1)
     n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
     span = state.end - first
-    n_splits = max(1, math.ceil(span / geo.DEFAULT_PARTITION)) if n_row_blocks == 1 else 1
+    n_splits = max(1, math.ceil(span / max_partition)) if n_row_blocks == 1 else 1
     partition = math.ceil(span / n_splits / geo.ATTENTION_BLOCK_S) * geo.ATTENTION_BLOCK_S
     partition = max(partition, geo.ATTENTION_BLOCK_S)
 

@@ -25,7 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DESCRIPTIONS", "HANDMADE", "PRESETS", "PresetTarget", "TARGETS", "budget_of"]
+__all__ = [
+    "DESCRIPTIONS",
+    "HANDMADE",
+    "PEER_TARGETS",
+    "PRESETS",
+    "PeerTarget",
+    "PresetTarget",
+    "TARGETS",
+    "budget_of",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,23 @@ TARGETS: dict[str, PresetTarget] = {
     "rq-3.5": PresetTarget(3.5, 1.0, 0.01),
     "rq-3": PresetTarget(3.0, 3.0, 0.03),
     "rq-2.5": PresetTarget(2.5, 10.0, None),
+}
+
+
+@dataclass(frozen=True)
+class PeerTarget:
+    """What a preset is held to against a cache users would pick instead, on held-out text
+    in decode mode: fewer stored bits than ``peer`` (a method label of ``rqlib eval``) and a mean
+    KL at most ``max_kl_ratio`` times the peer's."""
+
+    peer: str
+    max_kl_ratio: float
+
+
+PEER_TARGETS: dict[str, PeerTarget] = {
+    "rq-3.5": PeerTarget("hf-quanto:int4", 1 / 2),
+    "rq-3": PeerTarget("hf-quanto:int4", 1.0),
+    "rq-2.5": PeerTarget("hf-quanto:int2", 1 / 3),
 }
 
 

@@ -113,7 +113,7 @@ def hbm_peak_gbps(args) -> float | None:
     return None
 
 
-def decode_layer(args, key_qz, value_qz, k: torch.Tensor, v: torch.Tensor, n_sink=4, band=64):
+def decode_layer(key_qz, value_qz, k: torch.Tensor, v: torch.Tensor, n_sink=4, band=64):
     """One cache layer holding ``k``, ``v`` ``[B, KV, S, d]``: keys as ``key_qz`` codes,
     values as ``value_qz`` codes (``None``: exact), exact sink tokens and an exact recent band."""
     from rqlib.hf.cache import CompressedLayer
@@ -153,8 +153,8 @@ def check_on_gpu(args, device, length: int = 1000) -> None:
     keys = key_qz.quantize(k)
     triton_keys = kernels.quantize(key_qz, k)
     codes_equal = torch.equal(triton_keys.codes, keys.codes)
-    packed = decode_layer(args, key_qz, value_qz, k, v)
-    exact_values = decode_layer(args, key_qz, None, k.half(), v.half())
+    packed = decode_layer(key_qz, value_qz, k, v)
+    exact_values = decode_layer(key_qz, None, k.half(), v.half())
     checks = {
         "fused_scores": (
             kernels.fused_scores(q, keys, scale=0.1),
@@ -238,8 +238,8 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     v = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
     q = torch.randn(batch, q_heads, 1, d, device=device, dtype=torch.float16)
     keys = kernels.quantize(key_qz, k)
-    exact_values = decode_layer(args, key_qz, None, k, v, n_sink=0, band=0)
-    packed = decode_layer(args, key_qz, value_qz, k, v, n_sink=0, band=0)
+    exact_values = decode_layer(key_qz, None, k, v, n_sink=0, band=0)
+    packed = decode_layer(key_qz, value_qz, k, v, n_sink=0, band=0)
     fp16_bytes = 2 * k.numel() * k.element_size()
     key_bytes = batch * kv_heads * kv_len * key_qz.bits_per_vector // 8
     value_bytes = batch * kv_heads * kv_len * value_qz.bits_per_vector // 8
@@ -291,8 +291,8 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     k = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
     v = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
     q = torch.randn(batch, q_heads, 1, d, device=device, dtype=torch.float16)
-    layer = decode_layer(args, key_qz, value_qz, k, v, n_sink=0, band=0)
-    small = decode_layer(args, key_qz, value_qz, k[:, :, :777], v[:, :, :777], n_sink=0, band=0)
+    layer = decode_layer(key_qz, value_qz, k, v, n_sink=0, band=0)
+    small = decode_layer(key_qz, value_qz, k[:, :, :777], v[:, :, :777], n_sink=0, band=0)
     expected = decode_step(small, q, scale, "torch")
     nbytes = batch * kv_heads * kv_len * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
     defaults = (geo.ATTENTION_BLOCK_S, geo.CHUNK, geo.NUM_WARPS)

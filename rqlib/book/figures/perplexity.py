@@ -1,5 +1,6 @@
 """Figures of chapter 4 (perplexity): the keys-only table, the score check, the presets on one
-axis of storage, the per-layer allocation, and the ablation of each preset."""
+axis of storage, the per-layer allocation, the ablation of each preset, and the side-by-side
+with transformers' quantized caches."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from rqlib.spec.presets import TARGETS
 __all__ = [
     "ablation_figure",
     "allocation_figure",
+    "headline_figure",
+    "pareto_front",
     "perplexity_figure",
     "presets_figure",
     "score_check_figure",
@@ -175,4 +178,71 @@ def ablation_figure(ablation: pd.DataFrame) -> Figure:
         plt.Rectangle((0, 0), 1, 1, color=c, label=f"lever {k}") for k, c in CHANGE_COLORS.items()
     ]
     legend_below(fig, handles=handles, ncol=4)
+    return fig
+
+
+def pareto_front(bits, kl) -> list[int]:
+    """Indices of the points no other point beats on both axes (fewer or equal bits and a
+    lower or equal KL, one of them strictly), in order of increasing bits."""
+    points = sorted(range(len(bits)), key=lambda i: (bits[i], kl[i]))
+    front, best = [], float("inf")
+    for i in points:
+        if kl[i] < best:
+            front.append(i)
+            best = kl[i]
+    return front
+
+
+PEER_MARKERS = {"hf-quanto": "s", "hf-hqq": "D", "hf-fp8": "P"}
+
+
+def _headline_style(method: str, kind: str) -> dict:
+    if kind == "rqlib":
+        preset = method.startswith("preset:")
+        return {"marker": "*" if preset else "o", "s": 170 if preset else 50, "color": "k"}
+    family = method.split(":")[0]
+    return {"marker": PEER_MARKERS.get(family, "X"), "s": 50, "color": "C3"}
+
+
+def headline_figure(tables: Mapping[int, pd.DataFrame], title: str) -> Figure:
+    """Mean KL against the stored bits per K+V coordinate, one row of panels per window
+    length (``tables``: window -> :func:`rqlib.book.loaders.headline_table`); left what decode
+    mode measures, right what one forward per window reports. Black: our caches (stars: the
+    presets), red: the peers; the line is the Pareto front of each panel. KL is on a symlog
+    axis so that a cache that reports zero is still drawn."""
+    rows = len(tables)
+    fig, grid = plt.subplots(rows, 2, figsize=(12.0, 4.0 * rows), squeeze=False, sharey=True)
+    for (window, table), axes in zip(tables.items(), grid):
+        for ax, (column, mode) in zip(
+            axes, (("kl", "decode mode"), ("prefill_kl", "one forward per window"))
+        ):
+            for row in table.itertuples():
+                ax.scatter(
+                    row.bits_mean, getattr(row, column), **_headline_style(row.method, row.kind)
+                )
+                ax.annotate(
+                    row.method.removeprefix("preset:"),
+                    (row.bits_mean, getattr(row, column)),
+                    textcoords="offset points",
+                    xytext=(5, 4),
+                    fontsize=7,
+                )
+            front = pareto_front(table["bits_mean"].tolist(), table[column].tolist())
+            picked = table.iloc[front]
+            ax.step(picked["bits_mean"], picked[column], where="post", color="C0", lw=1, alpha=0.7)
+            ax.set_title(f"{title}, windows of {window}: {mode}", fontsize=10)
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_xlabel("stored bits per K and V coordinate")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("mean KL(fp ‖ cache), nats")
+    handles = [
+        plt.Line2D([], [], color="k", marker="*", ms=12, ls="", label="rqlib preset"),
+        plt.Line2D([], [], color="k", marker="o", ls="", label="plain TurboQuant-MSE"),
+    ]
+    handles += [
+        plt.Line2D([], [], color="C3", marker=m, ls="", label=name)
+        for name, m in PEER_MARKERS.items()
+    ]
+    handles.append(plt.Line2D([], [], color="C0", label="Pareto front"))
+    legend_below(fig, handles=handles, ncol=6)
     return fig
