@@ -145,3 +145,11 @@ def test_headline_figure_draws_both_modes(rng):
     fig = headline_figure(tables, "SmolLM2-135M")
     titles = [ax.get_title() for ax in fig.axes]
     assert any("decode mode" in t for t in titles) and any("one forward" in t for t in titles)
+
+
+def test_held_out_tables_has_every_window_of_the_many_window_runs(rng):
+    ours, peers = passing_kls(rng)
+    frame = pd.concat([frame_for(rng, ours, peers, 8, 1024), frame_for(rng, ours, peers, 2, 4096)])
+    tables = loaders.held_out_tables(frame, "smollm2")
+    assert list(tables) == [1024, 4096]
+    assert (tables[4096]["windows"] == 2).all()

@@ -24,6 +24,7 @@ __all__ = [
     "committed_overview",
     "HEADLINE",
     "headline_frame",
+    "held_out_tables",
     "headline_numbers",
     "headline_styled",
     "headline_table",
@@ -442,6 +443,13 @@ def headline_table(
             }
         )
     return pd.DataFrame(rows)
+
+
+def held_out_tables(frame: pd.DataFrame, short: str) -> dict[int, pd.DataFrame]:
+    """:func:`headline_table` of one model at every window length its many-window runs have,
+    shortest first."""
+    rows = frame[(frame["short"] == short) & ~frame["file"].str.contains("-check-|-more-")]
+    return {int(w): headline_table(frame, short, int(w)) for w in sorted(rows["window"].unique())}
 
 
 def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
