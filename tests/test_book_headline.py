@@ -29,6 +29,7 @@ def row(method, kind, mode, bits, kl, windows, file, window=1024):
         "bits_mean": bits,
         "kl": kl,
         "delta_ppl_pct": 100 * math.expm1(kl),  # any number that moves with the KL
+        "perplexity": 20 * math.exp(kl),
         "top1": 1 - kl,
         "windows": windows,
         "window": window,

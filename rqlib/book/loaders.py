@@ -412,7 +412,7 @@ def headline_table(
 ) -> pd.DataFrame:
     """The side-by-side of one model at one window, one row per method run in one forward
     per window (``fp`` first): its bits per K+V coordinate, what decode mode measures
-    (``delta_ppl_pct``, ``kl``, ``top1``; ``decode_run``: ``"token by token"``, or
+    (``perplexity``, ``delta_ppl_pct``, ``kl``, ``top1``; ``decode_run``: ``"token by token"``, or
     ``"one forward"`` for our caches where no token-by-token run exists: they read every key
     from its codes, so one forward computes what decode mode does) and what one forward
     reports (``prefill_delta_ppl_pct``, ``prefill_kl``); ``windows``, the number of windows
@@ -432,6 +432,7 @@ def headline_table(
                 "method": method,
                 "kind": one["kind"],
                 "bits_mean": one["bits_mean"],
+                "perplexity": source["perplexity"],
                 "delta_ppl_pct": source["delta_ppl_pct"],
                 "kl": source["kl"],
                 "top1": source["top1"],
@@ -552,6 +553,8 @@ def headline_numbers(
     numbers: dict[str, object] = {}
     for window, table in tables.items():
         numbers[f"held_{window}_windows"] = int(table["windows"].max())
+        fp = table[table["kind"] == "fp"]
+        numbers[f"held_{window}_fp_ppl"] = float(fp["perplexity"].iloc[0])
         for row in table.itertuples():
             for column in ("bits_mean", "delta_ppl_pct", "kl", "top1", "prefill_delta_ppl_pct"):
                 numbers[slug("held", window, row.method, column)] = float(getattr(row, column))
