@@ -154,3 +154,16 @@ def test_held_out_tables_has_every_window_of_the_many_window_runs(rng):
     tables = loaders.held_out_tables(frame, "smollm2")
     assert list(tables) == [1024, 4096]
     assert (tables[4096]["windows"] == 2).all()
+
+
+def test_decode_runs_split_over_two_files_make_one_table(rng):
+    """Each peer in its own token-by-token file: one row per method, the reference once."""
+    ours, peers = passing_kls(rng)
+    frame = frame_for(rng, ours, peers)
+    decode = frame["mode"] == "decode"
+    int2 = frame["method"].isin(["fp", "hf-quanto:int2"]) & decode
+    second = frame[int2].assign(file="headline/smollm2-decode-int2-w1024.json")
+    frame = pd.concat([frame[~(decode & (frame["method"] == "hf-quanto:int2"))], second])
+    table = loaders.headline_table(frame, "smollm2", 1024)
+    assert table["method"].is_unique and table.iloc[0]["method"] == "fp"
+    assert table.set_index("method").loc["hf-quanto:int2", "kl"] == peers["hf-quanto:int2"]

@@ -66,7 +66,8 @@ HEADLINE = {
     "headline/smollm2-prefill-w1024.json": "held out, 1024: everything, one forward per window",
     "headline/smollm2-decode-w1024.json": "held out, 1024: quanto, token by token",
     "headline/smollm2-prefill-w4096.json": "held out, 4096: everything, one forward per window",
-    "headline/smollm2-decode-w4096.json": "held out, 4096: quanto, token by token",
+    "headline/smollm2-decode-w4096.json": "held out, 4096: quanto int4, token by token",
+    "headline/smollm2-decode-int2-w4096.json": "held out, 4096: quanto int2, token by token",
     "headline/smollm2-prefill-check-w1024.json": "first held-out window: one forward",
     "headline/smollm2-decode-check-w1024.json": "first held-out window: presets, token by token",
     "headline/smollm2-decode-more-w1024.json": "first held-out window: HQQ, fp8, exact cache",
@@ -419,6 +420,9 @@ def headline_table(
     behind the decode numbers. A peer without a token-by-token run is left out: one forward
     says nothing about it. ``first_window``: the runs on the first window alone."""
     runs = _runs(frame, short, window, first_window)
+    # a method in several files of one mode (the full-precision reference of each run, the
+    # same tokens through the same forward): its first row
+    runs = runs.drop_duplicates(subset=["method", "mode"], keep="first")
     prefill = runs[runs["mode"] == "prefill"].set_index("method")
     decode = runs[runs["mode"] == "decode"].set_index("method")
     rows = []
