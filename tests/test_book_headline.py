@@ -167,3 +167,16 @@ def test_decode_runs_split_over_two_files_make_one_table(rng):
     table = loaders.headline_table(frame, "smollm2", 1024)
     assert table["method"].is_unique and table.iloc[0]["method"] == "fp"
     assert table.set_index("method").loc["hf-quanto:int2", "kl"] == peers["hf-quanto:int2"]
+
+
+def test_a_peer_not_run_at_a_window_fails_its_targets_as_not_measured(rng):
+    ours, peers = passing_kls(rng)
+    frame = frame_for(rng, ours, peers)
+    frame = frame[frame["method"] != "hf-quanto:int2"]
+    tables = {1024: loaders.headline_table(frame, "smollm2", 1024)}
+    targets = loaders.headline_targets(tables)
+    row = targets[targets["target"] == "KL / KL of hf-quanto:int2"].iloc[0]
+    assert row["preset"] == "rq-2.5" and not row["met"] and math.isnan(row["measured"])
+    first = tables[1024].assign(decode_run="token by token")
+    numbers = loaders.headline_numbers(tables, targets, first, tables[1024])
+    assert "KL / KL of hf-quanto:int2: not measured" in numbers["held_targets_missed"]
