@@ -445,6 +445,7 @@ def headline_table(
                 "prefill_kl": one["kl"],
                 "windows": int(source["windows"]),
                 "seconds_per_token": source["seconds_per_token"],
+                "prefill_seconds_per_token": one["seconds_per_token"],
             }
         )
     return pd.DataFrame(rows)
@@ -555,8 +556,16 @@ def headline_numbers(
     ``first_<method>_<column>`` of the first window's table, ``agree_<preset>_<column>``
     (:func:`mode_agreement`) and ``gemma_<method>_<column>``."""
     from rqlib.book.chapter import slug
+    from rqlib.study.peers import DEFAULT_GROUP, DEFAULT_RESIDUAL
 
-    numbers: dict[str, object] = {}
+    numbers: dict[str, object] = {
+        "peer_group": DEFAULT_GROUP,
+        "peer_residual_max": DEFAULT_RESIDUAL - 1,
+        "peer_targets": "; ".join(
+            f"`{preset}` at most {target.max_kl_ratio:.3g} times the KL of `{target.peer}`"
+            for preset, target in PEER_TARGETS.items()
+        ),
+    }
     for window, table in tables.items():
         numbers[f"held_{window}_windows"] = int(table["windows"].max())
         fp = table[table["kind"] == "fp"]
@@ -588,6 +597,10 @@ def headline_numbers(
     for row in agreement.itertuples():
         for column in ("kl_decode", "kl_prefill", "kl_ratio"):
             numbers[slug("agree", row.method, column)] = float(getattr(row, column))
+    ours = first[(first["kind"] == "rqlib") & (first["decode_run"] == "token by token")]
+    cost = ours["seconds_per_token"] / ours["prefill_seconds_per_token"]
+    numbers["agree_cost_ratio_min"] = float(cost.min())
+    numbers["agree_cost_ratio_max"] = float(cost.max())
     numbers["agree_kl_ratio_min"] = float(agreement["kl_ratio"].min())
     numbers["agree_kl_ratio_max"] = float(agreement["kl_ratio"].max())
     for row in gemma.itertuples():
