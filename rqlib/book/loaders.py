@@ -562,7 +562,7 @@ def headline_numbers(
         "peer_group": DEFAULT_GROUP,
         "peer_residual_max": DEFAULT_RESIDUAL - 1,
         "peer_targets": "; ".join(
-            f"`{preset}` at most {target.max_kl_ratio:.3g} times the KL of `{target.peer}`"
+            f"{preset} at most {target.max_kl_ratio:.3g} times the KL of {target.peer}"
             for preset, target in PEER_TARGETS.items()
         ),
     }
