@@ -84,6 +84,14 @@ def test_a_peer_measured_only_in_one_forward_is_left_out(rng):
     frame = frame[~((frame["method"] == "hf-quanto:int2") & (frame["mode"] == "decode"))]
     table = loaders.headline_table(frame, "smollm2", 1024)
     assert "hf-quanto:int2" not in set(table["method"])
+    # on the first window it stays, with its one-forward numbers and no decode numbers
+    first = frame.assign(file=frame["file"].str.replace("-w1024", "-check-w1024"))
+    kept = loaders.headline_table(first, "smollm2", 1024, first_window=True).set_index("method")
+    assert kept.loc["hf-quanto:int2", "decode_run"] == "not run"
+    assert (
+        math.isnan(kept.loc["hf-quanto:int2", "kl"])
+        and kept.loc["hf-quanto:int2", "prefill_kl"] == 0
+    )
 
 
 def test_every_target_is_met_by_a_run_inside_every_bound(rng):

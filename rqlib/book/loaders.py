@@ -417,7 +417,9 @@ def headline_table(
     from its codes, so one forward computes what decode mode does) and what one forward
     reports (``prefill_delta_ppl_pct``, ``prefill_kl``); ``windows``, the number of windows
     behind the decode numbers. A peer without a token-by-token run is left out: one forward
-    says nothing about it. ``first_window``: the runs on the first window alone."""
+    says nothing about it. ``first_window``: the runs on the first window alone, where such a
+    peer is kept with its one-forward numbers (``decode_run`` ``"not run"``, decode columns
+    NaN)."""
     runs = _runs(frame, short, window, first_window)
     # a method in several files of one mode (the full-precision reference of each run, the
     # same tokens through the same forward): its first row
@@ -428,7 +430,10 @@ def headline_table(
     for method, one in prefill.iterrows():
         # the full-precision reference is one forward per window in every file
         measured = decode.loc[method] if method in decode.index and method != "fp" else None
-        if one["kind"] in ("peer", "control") and measured is None:
+        if one["kind"] in ("peer", "control") and measured is None and not first_window:
+            continue
+        if one["kind"] in ("peer", "control") and measured is None:  # the first window only
+            rows.append(_not_run(method, one))
             continue
         source = one if measured is None else measured
         rows.append(
@@ -456,6 +461,26 @@ def held_out_tables(frame: pd.DataFrame, short: str) -> dict[int, pd.DataFrame]:
     shortest first."""
     rows = frame[(frame["short"] == short) & ~frame["file"].str.contains("-check-|-more-")]
     return {int(w): headline_table(frame, short, int(w)) for w in sorted(rows["window"].unique())}
+
+
+def _not_run(method: str, one: pd.Series) -> dict:
+    """A first-window row of a peer measured in one forward only: decode numbers missing."""
+    nan = float("nan")
+    return {
+        "method": method,
+        "kind": one["kind"],
+        "bits_mean": one["bits_mean"],
+        "perplexity": nan,
+        "delta_ppl_pct": nan,
+        "kl": nan,
+        "top1": nan,
+        "decode_run": "not run",
+        "prefill_delta_ppl_pct": one["delta_ppl_pct"],
+        "prefill_kl": one["kl"],
+        "windows": int(one["windows"]),
+        "seconds_per_token": nan,
+        "prefill_seconds_per_token": one["seconds_per_token"],
+    }
 
 
 def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
