@@ -399,11 +399,13 @@ def headline_frame(directory: Path | str | None = None) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _runs(frame: pd.DataFrame, short: str, window: int, first_window: bool) -> pd.DataFrame:
-    """The rows of one model at one window: of the many-window runs, or of the runs on the
-    first window alone (the ``-check-`` and ``-more-`` files)."""
-    rows = frame[(frame["short"] == short) & (frame["window"] == window)]
-    checks = rows["file"].str.contains("-check-|-more-")
+FIRST_WINDOW_FILES = "-check-|-more-"  # the runs on the first held-out window alone
+
+
+def _runs(frame: pd.DataFrame, short: str, first_window: bool) -> pd.DataFrame:
+    """The rows of one model: of the many-window runs, or of the runs on the first window."""
+    rows = frame[frame["short"] == short]
+    checks = rows["file"].str.contains(FIRST_WINDOW_FILES)
     return rows[checks] if first_window else rows[~checks]
 
 
@@ -420,7 +422,8 @@ def headline_table(
     says nothing about it. ``first_window``: the runs on the first window alone, where such a
     peer is kept with its one-forward numbers (``decode_run`` ``"not run"``, decode columns
     NaN)."""
-    runs = _runs(frame, short, window, first_window)
+    runs = _runs(frame, short, first_window)
+    runs = runs[runs["window"] == window]
     # a method in several files of one mode (the full-precision reference of each run, the
     # same tokens through the same forward): its first row
     runs = runs.drop_duplicates(subset=["method", "mode"], keep="first")
@@ -430,55 +433,45 @@ def headline_table(
     for method, one in prefill.iterrows():
         # the full-precision reference is one forward per window in every file
         measured = decode.loc[method] if method in decode.index and method != "fp" else None
-        if one["kind"] in ("peer", "control") and measured is None and not first_window:
+        if one["kind"] in ("peer", "control") and measured is None:
+            if first_window:
+                rows.append(_row(method, one, None, "not run"))
             continue
-        if one["kind"] in ("peer", "control") and measured is None:  # the first window only
-            rows.append(_not_run(method, one))
-            continue
-        source = one if measured is None else measured
-        rows.append(
-            {
-                "method": method,
-                "kind": one["kind"],
-                "bits_mean": one["bits_mean"],
-                "perplexity": source["perplexity"],
-                "delta_ppl_pct": source["delta_ppl_pct"],
-                "kl": source["kl"],
-                "top1": source["top1"],
-                "decode_run": "one forward" if measured is None else "token by token",
-                "prefill_delta_ppl_pct": one["delta_ppl_pct"],
-                "prefill_kl": one["kl"],
-                "windows": int(source["windows"]),
-                "seconds_per_token": source["seconds_per_token"],
-                "prefill_seconds_per_token": one["seconds_per_token"],
-            }
-        )
+        if measured is None:
+            rows.append(_row(method, one, one, "one forward"))
+        else:
+            rows.append(_row(method, one, measured, "token by token"))
     return pd.DataFrame(rows)
 
 
 def held_out_tables(frame: pd.DataFrame, short: str) -> dict[int, pd.DataFrame]:
     """:func:`headline_table` of one model at every window length its many-window runs have,
     shortest first."""
-    rows = frame[(frame["short"] == short) & ~frame["file"].str.contains("-check-|-more-")]
-    return {int(w): headline_table(frame, short, int(w)) for w in sorted(rows["window"].unique())}
+    windows = sorted(_runs(frame, short, first_window=False)["window"].unique())
+    return {int(w): headline_table(frame, short, int(w)) for w in windows}
 
 
-def _not_run(method: str, one: pd.Series) -> dict:
-    """A first-window row of a peer measured in one forward only: decode numbers missing."""
+def _row(method: str, one: pd.Series, measured: pd.Series | None, decode_run: str) -> dict:
+    """A row of :func:`headline_table`: bits and one-forward numbers from ``one``, decode
+    numbers from ``measured`` (``None``: not run, NaN)."""
     nan = float("nan")
+
+    def decoded(column):
+        return nan if measured is None else measured[column]
+
     return {
         "method": method,
         "kind": one["kind"],
         "bits_mean": one["bits_mean"],
-        "perplexity": nan,
-        "delta_ppl_pct": nan,
-        "kl": nan,
-        "top1": nan,
-        "decode_run": "not run",
+        "perplexity": decoded("perplexity"),
+        "delta_ppl_pct": decoded("delta_ppl_pct"),
+        "kl": decoded("kl"),
+        "top1": decoded("top1"),
+        "decode_run": decode_run,
         "prefill_delta_ppl_pct": one["delta_ppl_pct"],
         "prefill_kl": one["kl"],
-        "windows": int(one["windows"]),
-        "seconds_per_token": nan,
+        "windows": int(one["windows"] if measured is None else measured["windows"]),
+        "seconds_per_token": decoded("seconds_per_token"),
         "prefill_seconds_per_token": one["seconds_per_token"],
     }
 
@@ -486,7 +479,8 @@ def _not_run(method: str, one: pd.Series) -> dict:
 def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
     """Our caches on one window, token by token against one forward (``first``: a
     :func:`headline_table` of ``first_window=True``): ``method``, ``kl_decode``,
-    ``kl_prefill``, ``kl_ratio`` (decode over one forward)."""
+    ``kl_prefill``, ``kl_ratio`` (decode over one forward) and ``cost_ratio`` (seconds per
+    token, decode over one forward)."""
     ours = first[(first["kind"] == "rqlib") & (first["decode_run"] == "token by token")]
     return pd.DataFrame(
         {
@@ -494,6 +488,9 @@ def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
             "kl_decode": ours["kl"].to_numpy(),
             "kl_prefill": ours["prefill_kl"].to_numpy(),
             "kl_ratio": (ours["kl"] / ours["prefill_kl"]).to_numpy(),
+            "cost_ratio": (
+                ours["seconds_per_token"] / ours["prefill_seconds_per_token"]
+            ).to_numpy(),
         }
     )
 
@@ -617,15 +614,12 @@ def headline_numbers(
     for row in first.itertuples():
         for column in ("bits_mean", "delta_ppl_pct", "kl", "prefill_delta_ppl_pct"):
             numbers[slug("first", row.method, column)] = float(getattr(row, column))
-        numbers[slug("first", row.method, "ms_per_token")] = 1000 * row.seconds_per_token
     agreement = mode_agreement(first)
     for row in agreement.itertuples():
         for column in ("kl_decode", "kl_prefill", "kl_ratio"):
             numbers[slug("agree", row.method, column)] = float(getattr(row, column))
-    ours = first[(first["kind"] == "rqlib") & (first["decode_run"] == "token by token")]
-    cost = ours["seconds_per_token"] / ours["prefill_seconds_per_token"]
-    numbers["agree_cost_ratio_min"] = float(cost.min())
-    numbers["agree_cost_ratio_max"] = float(cost.max())
+    numbers["agree_cost_ratio_min"] = float(agreement["cost_ratio"].min())
+    numbers["agree_cost_ratio_max"] = float(agreement["cost_ratio"].max())
     numbers["agree_kl_ratio_min"] = float(agreement["kl_ratio"].min())
     numbers["agree_kl_ratio_max"] = float(agreement["kl_ratio"].max())
     for row in gemma.itertuples():
