@@ -212,6 +212,8 @@ def test_decode_and_prefill_agree_in_distribution(rng):
     assert torch.allclose(fp.per_token("nll"), fp_decode.per_token("nll"), rtol=0, atol=1e-5)
     assert_agree(decode, prefill)
     assert decode.tokens_fed == 12 * 15 and prefill.tokens_fed == 12 * 16  # no last token
+    # decode mode on CPU reads a decoded copy of the codes (test_decoded_copy.py: same numbers)
+    assert decode.extra["decoded_copy"] is True and "decoded_copy" not in prefill.extra
 
 
 def test_chunked_agrees_with_decode(rng):

@@ -226,6 +226,27 @@ def test_a_missing_backend_package_is_named(monkeypatch, rng):
         Peer.parse("hf-hqq:int2").make_cache(tiny_llama(rng))
 
 
+def test_a_stale_build_lock_is_an_error_naming_it_and_a_fresh_one_is_waited_for(
+    tmp_path, monkeypatch, rng
+):
+    """torch waits forever on the lock file of an extension build; a lock older than the
+    threshold (a build stopped half-way) must be an error that names the file, a young one
+    (a build under way) must not."""
+    lock = tmp_path / "build" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    now = lock.stat().st_mtime
+    peers.check_build_lock(lock, now=now + peers.STALE_BUILD_LOCK_SECONDS - 1)  # young: waits
+    with pytest.raises(RuntimeError, match=str(lock)):
+        peers.check_build_lock(lock, now=now + peers.STALE_BUILD_LOCK_SECONDS + 1)
+    peers.check_build_lock(tmp_path / "no-lock")  # no lock: nothing to say
+    # the quanto peer checks its own lock before it builds a cache
+    monkeypatch.setattr(peers, "_quanto_build_lock", lambda: lock)
+    monkeypatch.setattr(peers, "STALE_BUILD_LOCK_SECONDS", -1)
+    with pytest.raises(RuntimeError, match="delete that file"):
+        Peer.parse("hf-quanto:int4").make_cache(tiny_llama(rng))
+
+
 # ---- installation ----------------------------------------------------------------------------
 def test_the_peers_group_is_installed_without_deps_and_consistent():
     """The peers group is installed with --no-deps (pyproject's no-deps-extras); what is

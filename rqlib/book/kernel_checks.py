@@ -40,6 +40,7 @@ __all__ = [
     "byte_table",
     "attention_check",
     "scores_check",
+    "split_examples",
     "tolerance",
 ]
 
@@ -108,6 +109,49 @@ def bench_arguments(
         json=None,
         force=False,
     )
+
+
+#: Streaming multiprocessors of an H100 SXM (and of an H200): the chapter's example GPU.
+H100_SMS = 132
+
+
+def split_examples(
+    *,
+    head_dim: int = 128,
+    kv_heads: int = 8,
+    group: int = 4,
+    bits: int = 3,
+    long: int = 32768,
+    short: int = 4096,
+    batch: int = 8,
+) -> dict:
+    """How a decode step over ``bits``-bit keys and values (MSE codes, 11-bit norms) of a model
+    with Llama-3-8B's geometry (the defaults) is split on an H100
+    (:func:`rqlib.kernels.limits.decode_splits`): glue values ``example_*``, ``split_waves`` and
+    ``max_partial_share_pct``."""
+    from rqlib.kernels import limits as geo
+
+    quantizer = make_quantizer("turboquant-mse", head_dim, bits, norm_mantissa_bits=6)
+    key_bytes = 2 * quantizer.bits_per_vector / 8  # K and V per key position and KV head
+    partial = 2 * group * (2 + 3 * geo.value_block(head_dim)) * 4
+
+    def plan(span: int, sequences: int) -> tuple[int, int]:
+        return geo.decode_splits(span, sequences * kv_heads, H100_SMS, partial, key_bytes)
+
+    (long_splits, long_partition), (short_splits, short_partition) = plan(long, 1), plan(short, 1)
+    return {
+        "split_waves": geo.SPLIT_WAVES,
+        "max_partial_share_pct": 100 * geo.MAX_PARTIAL_SHARE,
+        "example_sms": H100_SMS,
+        "example_long": long,
+        "example_short": short,
+        "example_batch": batch,
+        "example_long_splits": long_splits,
+        "example_long_partition": long_partition,
+        "example_short_splits": short_splits,
+        "example_short_partition": short_partition,
+        "example_batch_splits": plan(long, batch)[0],
+    }
 
 
 def byte_table(key_bits: Sequence[int], **arguments) -> pd.DataFrame:

@@ -90,6 +90,7 @@ class CompressedLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.backend = "auto"
+        self.decoded_copy = False  # see CompressedCache.keep_decoded
         self.active = False  # set by rqlib.hf.compress for the duration of its block
         self.reset()
 
@@ -133,6 +134,7 @@ class CompressedLayer(CacheLayerMixin):
             self.streams["band_keys"] = ring(self.key_band_codec)
             if self.value_codec is not None:
                 self.streams["band_values"] = ring(self.value_band_codec)
+        self.keep_decoded(self.decoded_copy)
         self.sink_keys = self.sink_values = None
         if self.n_sink:
             shape = (batch, heads, self.n_sink, dim)
@@ -140,6 +142,15 @@ class CompressedLayer(CacheLayerMixin):
             if self.value_codec is not None:
                 self.sink_values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.is_initialized = True
+
+    def keep_decoded(self, keep: bool = True) -> None:
+        """Keep (or drop) a decoded copy of every packed stream (see
+        :meth:`CompressedCache.keep_decoded`)."""
+        self.decoded_copy = keep
+        for stream in self.streams.values():
+            for ring in stream.rings:
+                if ring.packed:
+                    ring.keep_decoded(keep)
 
     def reset(self) -> None:
         """Forget every token (the codecs stay)."""
@@ -507,6 +518,20 @@ class CompressedCache(Cache):
             raise ValueError(f"backend must be one of {kernels.BACKENDS}, got {backend!r}")
         for layer in self.layers:
             layer.backend = backend
+
+    def keep_decoded(self, keep: bool = True) -> None:
+        """Keep a decoded copy of the codes beside them (``keep=False`` drops it), to make decode
+        steps fast on CPU: attention then reads each stored key's and value's codebook values
+        and norm from the copy instead of decoding every code again at every step. Results are
+        the same bit for bit; memory is not: the copy takes ``4·(D + 1)`` bytes per token, KV
+        head and stream (float32), more than a float16 cache. :meth:`nbytes` still counts what is
+        stored compressed; :meth:`reserved_nbytes` includes the copy. Meant for evaluation on
+        CPU (``rqlib eval --mode decode`` uses it); the Triton kernels never read it. Tokens
+        already stored are decoded once now."""
+        if not isinstance(keep, bool):
+            raise TypeError(f"keep must be True or False, got {keep!r}")
+        for layer in self.layers:
+            layer.keep_decoded(keep)
 
     # ---- steps ---------------------------------------------------------------------------------
     @property

@@ -143,9 +143,10 @@ def attention(
     (:mod:`rqlib.kernels.triton_attention`); a state the kernel cannot serve raises
     ``ValueError`` naming the feature (:func:`rqlib.kernels.limits.check_state`).
 
-    ``partition``: keys per split of a decode step in the Triton kernel (default
-    :data:`rqlib.kernels.limits.DEFAULT_PARTITION`; a positive multiple of
-    ``ATTENTION_BLOCK_S``); the torch path has no splits and ignores it.
+    ``partition``: at most this many keys per split of a decode step in the Triton kernel (a
+    positive multiple of ``ATTENTION_BLOCK_S``); by default the splits are chosen from the
+    GPU's SM count (:func:`rqlib.kernels.limits.decode_splits`). The torch path has no splits
+    and ignores it.
     """
     if partition is not None and (
         isinstance(partition, bool)
@@ -169,9 +170,7 @@ def attention(
         return reference.attention(state, q, mask, scale=scale, softcap=softcap)
     geo.check_query(q)
     geo.check_state(state)
-    return _launch_module().attention(
-        state, q, mask, float(scale), softcap, partition or geo.DEFAULT_PARTITION
-    )
+    return _launch_module().attention(state, q, mask, float(scale), softcap, partition)
 
 
 def check_layer(keys, values, band_keys=None, band_values=None) -> None:

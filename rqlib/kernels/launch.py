@@ -7,6 +7,8 @@ every buffer starts as NaN (or 0xFF bytes) and an element a kernel forgets to wr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
@@ -188,14 +190,40 @@ def _mask_arguments(mask, device):
     return tensor, 1, 0, 0, tensor.shape[-1], mask.kv_offset, (sb, st, sk)
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_type: str, index: int | None) -> int | None:
+    """Streaming multiprocessors of a CUDA device; ``None`` elsewhere (the interpreter)."""
+    if device_type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
+
+
+def split_plan(state, batch: int, n_rows: int, block_v: int, device, partition: int | None):
+    """``(splits, partition)`` of a decode step (one block of rows): at most ``partition`` keys
+    per split when given, else chosen from the device's SM count and the bytes per key
+    (:func:`rqlib.kernels.limits.decode_splits`)."""
+    first = state.first
+    span = max(1, state.end - first)
+    if partition is not None:
+        splits = math.ceil(span / partition)
+        block = geo.ATTENTION_BLOCK_S
+        return splits, max(block, math.ceil(span / splits / block) * block)
+    kv_heads = state.keys.rings[0].heads
+    key_bytes = sum(ring.bytes_per_token() for s in (state.keys, state.values) for ring in s.rings)
+    partial = 2 * n_rows * (2 + 3 * block_v) * 4  # m, l, accumulators: written, read back
+    sm_count = _sm_count(device.type, device.index)
+    return geo.decode_splits(span, batch * kv_heads, sm_count, partial, key_bytes)
+
+
 def attention(
-    state, q: torch.Tensor, mask, scale: float, softcap: float | None, max_partition: int
+    state, q: torch.Tensor, mask, scale: float, softcap: float | None, partition: int | None
 ) -> torch.Tensor:
     """Launch :func:`attention_kernel` and :func:`reduce_kernel`; float32 ``[B, Hq, Lq, d]``.
 
     The host does only work independent of the context: the query side (rotations of the
     queries, ``<q, mu>``), views of the buffers, and the rotation of the accumulators back. A
-    decode step's keys are cut into splits of at most ``max_partition`` keys."""
+    decode step's keys are cut into splits (:func:`split_plan`: of at most ``partition`` keys,
+    or chosen from the SM count)."""
     batch, q_heads, length, head_dim = q.shape
     device = q.device
     keys, values = state.keys, state.values
@@ -255,10 +283,12 @@ def attention(
     if causal and window:
         first = max(first, state.start - window + 1)
     n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
-    span = state.end - first
-    n_splits = max(1, math.ceil(span / max_partition)) if n_row_blocks == 1 else 1
-    partition = math.ceil(span / n_splits / geo.ATTENTION_BLOCK_S) * geo.ATTENTION_BLOCK_S
-    partition = max(partition, geo.ATTENTION_BLOCK_S)
+    if n_row_blocks == 1:
+        plan_state = dataclasses.replace(state, first=first)
+        n_splits, partition = split_plan(plan_state, batch, n_rows, block_v, device, partition)
+    else:  # a prompt: its row blocks provide the parallelism, one split each
+        block = geo.ATTENTION_BLOCK_S
+        n_splits, partition = 1, max(block, math.ceil((state.end - first) / block) * block)
 
     total_rows = batch * kv_heads * n_rows
     part_m = empty((total_rows, n_splits), torch.float32, device)

@@ -16,6 +16,8 @@ the attention accumulators (``BLOCK_V``) and the dtype of the exact vectors are 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
@@ -35,8 +37,45 @@ BLOCK_N = 16  # vectors per quantize program
 NUM_WARPS = 8  # scores, attention and quantize kernels
 REDUCE_NUM_WARPS = 4
 REDUCE_BLOCK = 128  # accumulator columns per reduce program
-DEFAULT_PARTITION = 512  # keys per split of a decode step (a multiple of ATTENTION_BLOCK_S)
+DEFAULT_PARTITION = 512  # keys per split of a decode step when the SM count is unknown
+SPLIT_WAVES = 2  # a decode step launches enough splits for this many programs per SM
+MAX_PARTIAL_SHARE = 0.25  # a split's partial results cost at most this share of what it reads
 VALUE_BLOCKS = (64, 128, 256, 512)  # accumulator widths (next power of two >= 64)
+
+
+def decode_splits(
+    span: int,
+    programs: int,
+    sm_count: int | None,
+    partial_bytes: int,
+    key_bytes: float,
+) -> tuple[int, int]:
+    """``(splits, partition)``: how a decode step cuts its ``span`` keys, in splits of
+    ``partition`` keys (a multiple of ``ATTENTION_BLOCK_S``; ``splits * partition >= span``).
+
+    With one query token there are only ``programs`` = batch x KV heads groups of rows, far
+    fewer than a GPU's SMs, so the keys provide the parallelism. Given the ``sm_count``, the
+    step asks for enough splits that the programs fill ``SPLIT_WAVES`` waves of the SMs, but no
+    split so short that the ``partial_bytes`` it writes and the reduce reads back (its rows'
+    ``m``, ``l`` and accumulators) exceed ``MAX_PARTIAL_SHARE`` of the bytes of the keys and
+    values it reads (``key_bytes`` per key position). Without an SM count (the interpreter),
+    splits of ``DEFAULT_PARTITION`` keys."""
+    if span < 1 or programs < 1:
+        raise ValueError(f"span and programs must be >= 1, got {span} and {programs}")
+    if sm_count is None:
+        splits = math.ceil(span / DEFAULT_PARTITION)
+    else:
+        if sm_count < 1 or key_bytes <= 0 or partial_bytes < 0:
+            raise ValueError(
+                f"need sm_count >= 1, key_bytes > 0 and partial_bytes >= 0, got {sm_count}, "
+                f"{key_bytes} and {partial_bytes}"
+            )
+        fill = math.ceil(SPLIT_WAVES * sm_count / programs)
+        shortest = max(ATTENTION_BLOCK_S, partial_bytes / (MAX_PARTIAL_SHARE * key_bytes))
+        splits = min(fill, max(1, math.floor(span / shortest)))
+    block = ATTENTION_BLOCK_S
+    partition = max(block, math.ceil(span / max(1, splits) / block) * block)
+    return math.ceil(span / partition), partition
 
 
 def value_block(width: int) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rqlib.core.estimator import centroid_values, pairwise_scores
+from rqlib.core.estimator import pairwise_scores
 from rqlib.core.gqa import fold_queries, unfold_queries
 from rqlib.core.packing import unpack_signs
 from rqlib.kernels.state import AttentionState, CausalMask, Stream
@@ -108,11 +108,12 @@ def _scores(stream: Stream, queries: _Queries, rows: torch.Tensor, k0: int, k1: 
         return rows @ _as(stream.exact.read(k0, k1), rows).transpose(-1, -2)
     total = None
     for part, (rotated, sketch) in zip(stream.parts, queries.parts):
-        stored = part.ring.read(k0, k1, dtype)
+        c_hat, norms = part.ring.decoded(k0, k1, dtype)
         qz = part.quantizer
-        scores = rotated @ centroid_values(stored, dtype).transpose(-1, -2)
-        scores = scores * stored.norms[:, :, None, :]
+        scores = rotated @ c_hat.transpose(-1, -2)
+        scores = scores * norms[:, :, None, :]
         if qz.has_qjl:
+            stored = part.ring.read(k0, k1, dtype)
             signs = unpack_signs(stored.qjl_signs, qz.qjl_dim, dtype)
             qjl = sketch @ signs.transpose(-1, -2)
             scores = scores + qjl * (stored.residual_norms * qz.qjl_scale)[:, :, None]
@@ -142,9 +143,8 @@ class _Values:
         else:
             terms = []
             for part in stream.parts:
-                stored = part.ring.read(k0, k1, dtype)
-                weighted = weights * stored.norms[:, :, None, :]
-                terms.append(weighted @ centroid_values(stored, dtype))
+                c_hat, norms = part.ring.decoded(k0, k1, dtype)
+                terms.append((weights * norms[:, :, None, :]) @ c_hat)
         self.acc = [t if a is None else a + t for a, t in zip(self.acc, terms)]
         if stream.mean is not None:
             total = weights.sum(-1, keepdim=True)

@@ -18,6 +18,14 @@ Packed streams store exactly what the bit accounting counts (:mod:`rqlib.spec.bi
 Exact streams hold ``[B, KV, C, d]`` in the model's dtype. Capacities are multiples of 8, so a
 norm stream is a whole number of bytes and slot groups of eight start on byte boundaries.
 
+A packed stream can also keep a **decoded copy** (:meth:`VectorRing.keep_decoded`): the codebook
+values of its codes (``float32 [B, KV, C, D]``) and its norms (``float32 [B, KV, C]``), written
+once per token beside the codes, so that attention on CPU reads them instead of decoding every
+stored code again at every step. They are what :meth:`VectorRing.decoded` would compute from the
+codes, bit for bit; they are not part of the stored size (:meth:`VectorRing.nbytes`), and cost
+``4·(D + 1)`` bytes per token and head, more than the codes save (see
+:meth:`rqlib.hf.cache.CompressedCache.keep_decoded`).
+
 Writing ``L`` tokens copies ``L`` tokens; :meth:`VectorRing.ensure` grows the buffers (doubling,
 so appending costs amortized O(1) per token) or shrinks an oversized window before a write, and
 keeps every position the caller still needs, so that the previous contents survive a write that
@@ -28,12 +36,15 @@ from __future__ import annotations
 
 import torch
 
+from rqlib.core.estimator import centroid_values
 from rqlib.core.packing import norm_fields, norm_table, unpack_fields, write_fields
 from rqlib.core.quantizers import CompressedVectors
 
 __all__ = ["VectorRing", "round_capacity"]
 
 GRANULE = 8  # capacities are multiples of 8 slots
+DECODED_DTYPE = torch.float32  # the dtype of a decoded copy (the attention's dtype on CPU)
+DECODED = ("decoded", "norm_values")  # its buffers
 
 
 def round_capacity(n: int) -> int:
@@ -82,6 +93,7 @@ class VectorRing:
         self.capacity = 0
         self.end = 0
         self.buffers: dict[str, torch.Tensor] = {}
+        self.has_decoded = False
 
     # ---- layout ------------------------------------------------------------------------------
     @property
@@ -104,6 +116,9 @@ class VectorRing:
         if qz.has_qjl:
             shapes["signs"] = ((*lead, capacity, (qz.qjl_dim + 7) // 8), torch.uint8)
             shapes["rnorms"] = ((*lead, capacity * self.norm_width // 8), torch.uint8)
+        if self.has_decoded:
+            shapes["decoded"] = ((*lead, capacity, qz.rotated_dim), DECODED_DTYPE)
+            shapes["norm_values"] = ((*lead, capacity), DECODED_DTYPE)
         return shapes
 
     def bytes_per_token(self) -> float:
@@ -127,8 +142,52 @@ class VectorRing:
         return rows * per_row
 
     def reserved_nbytes(self) -> int:
-        """Bytes the buffers hold now (spare capacity included)."""
+        """Bytes the buffers hold now (spare capacity and a decoded copy included)."""
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    # ---- the decoded copy --------------------------------------------------------------------
+    def keep_decoded(self, keep: bool = True) -> None:
+        """Keep (or drop) a decoded copy of the codes and norms (see the module docstring);
+        the tokens stored so far are decoded once now."""
+        if not self.packed:
+            raise ValueError("an exact stream has nothing to decode")
+        if keep == self.has_decoded:
+            return
+        if not keep:
+            for name in DECODED:
+                self.buffers.pop(name, None)
+            self.has_decoded = False
+            return
+        self.has_decoded = True
+        if not self.buffers:  # nothing allocated yet: the first write allocates it
+            return
+        for name, (shape, dtype) in self._row_shapes(self.capacity).items():
+            if name in DECODED:
+                self.buffers[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+        first = max(0, self.end - self.capacity)
+        if first < self.end:
+            fields = self._decoded_fields(self.read(first, self.end))
+            self._write(first, fields)
+
+    def _decoded_fields(self, data, fields: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The decoded copy of ``data`` (its norm ``fields`` if already at hand), computed as
+        :meth:`decoded` computes it from a read."""
+        if fields is None:
+            fields = norm_fields(data.norms, self.norm_width)
+        table = norm_table(self.norm_width, DECODED_DTYPE, str(self.device))
+        return {"decoded": centroid_values(data, DECODED_DTYPE), "norm_values": table[fields]}
+
+    def decoded(self, start: int, stop: int, dtype: torch.dtype = torch.float32):
+        """``(c_hat [B, KV, n, D], norms [B, KV, n])`` of positions ``start .. stop - 1`` in
+        ``dtype``: the codebook values of the codes and the stored norms, from the decoded copy
+        when there is one (and ``dtype`` is its dtype), else decoded from the codes now."""
+        if not (self.has_decoded and dtype == DECODED_DTYPE):
+            stored = self.read(start, stop, dtype)
+            return centroid_values(stored, dtype), stored.norms
+        self._check_stored(start, stop)
+        buffers = {name: self.buffers[name] for name in DECODED}
+        fields = self._read(buffers, self.capacity, start, stop)
+        return fields["decoded"], fields["norm_values"]
 
     # ---- capacity ----------------------------------------------------------------------------
     def ensure(self, keep_from: int, end: int, slack: int = 0) -> None:
@@ -182,6 +241,8 @@ class VectorRing:
         if self.quantizer.has_qjl:
             fields["signs"] = data.qjl_signs
             fields["rnorms"] = norm_fields(data.residual_norms, self.norm_width)
+        if self.has_decoded:
+            fields.update(self._decoded_fields(data, fields["norms"]))
         return fields
 
     def _write(self, start: int, fields: dict[str, torch.Tensor]) -> None:
@@ -215,12 +276,9 @@ class VectorRing:
         """Positions ``start .. stop - 1`` as ``CompressedVectors [B, KV, n]`` (norms in
         ``norm_dtype``, by one lookup of their fields) or a tensor ``[B, KV, n, d]``: views of the
         buffers when the slots are contiguous."""
-        if not 0 <= start <= stop <= self.end or stop - start > self.capacity:
-            raise ValueError(
-                f"positions {start}..{stop - 1} are not stored (ring holds up to {self.end - 1}, "
-                f"{self.capacity} slots)"
-            )
-        fields = self._read(self.buffers, self.capacity, start, stop)
+        self._check_stored(start, stop)
+        buffers = {k: v for k, v in self.buffers.items() if k not in DECODED}
+        fields = self._read(buffers, self.capacity, start, stop)
         if not self.packed:
             return fields["exact"]
         qz = self.quantizer
@@ -239,6 +297,13 @@ class VectorRing:
         return CompressedVectors(
             codes, norms("norms"), fields.get("signs"), norms("rnorms") if qz.has_qjl else None, qz
         )
+
+    def _check_stored(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.end or stop - start > self.capacity:
+            raise ValueError(
+                f"positions {start}..{stop - 1} are not stored (ring holds up to {self.end - 1}, "
+                f"{self.capacity} slots)"
+            )
 
     def truncate(self, end: int) -> None:
         """Forget positions ``end`` and later (a rolled-back step); their slots stay as they

@@ -220,11 +220,15 @@ def run_gpu(args) -> int:
     return 0
 
 
-def partial_bytes(layer, q_heads: int, batch: int, value_width: int) -> int:
-    """Bytes of the attention's partial results, written once and read back once."""
+def partial_bytes(layer, q_heads: int, batch: int, value_width: int, device) -> int:
+    """Bytes of the attention's partial results, written once and read back once, with the
+    splits the launch chooses on ``device`` (:func:`rqlib.kernels.launch.split_plan`)."""
+    from rqlib.kernels.launch import split_plan
+
     state = layer.state()
-    splits = math.ceil((state.end - state.first) / geo.DEFAULT_PARTITION)
     block = geo.value_block(value_width)
+    n_rows = q_heads // state.keys.rings[0].heads
+    splits, _ = split_plan(state, batch, n_rows, block, torch.device(device), None)
     return 2 * batch * q_heads * splits * (2 + 3 * block) * 4
 
 
@@ -259,12 +263,12 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
         (
             "attention K packed, V fp16",
             lambda: decode_step(exact_values, q, scale),
-            key_bytes + v.numel() * 2 + partial_bytes(exact_values, q_heads, batch, d),
+            key_bytes + v.numel() * 2 + partial_bytes(exact_values, q_heads, batch, d, device),
         ),
         (
             "attention K, V packed",
             lambda: decode_step(packed, q, scale),
-            key_bytes + value_bytes + partial_bytes(packed, q_heads, batch, d),
+            key_bytes + value_bytes + partial_bytes(packed, q_heads, batch, d, device),
         ),
     ]
     results = []
@@ -319,6 +323,10 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
 # decode steps on CPU, side by side
 
 
+#: The label suffix of a preset timed with a decoded copy of its codes.
+DECODED_COPY = "+copy"
+
+
 def decode_cpu(
     model_name: str = "smollm2-135m",
     context: int = 1024,
@@ -329,6 +337,9 @@ def decode_cpu(
 ) -> dict:
     """Median time per decode step after ``context`` tokens: fp ``DynamicCache`` and presets.
 
+    Each preset is timed twice: as stored (``preset:NAME``: attention decodes the packed codes at
+    every step) and with a decoded copy (``preset:NAME+copy``,
+    :meth:`rqlib.hf.cache.CompressedCache.keep_decoded`, what ``rqlib eval --mode decode`` runs).
     Each method gets its own copy of the model and its own cache, prefilled with the same
     ``context`` tokens of pydoc; then the next ``steps`` tokens are fed one at a time, the methods
     taking turns at every step (in a rotating order), so that a change of machine load hits all
@@ -353,7 +364,7 @@ def decode_cpu(
         torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name)
     ids = tokenize_corpus(load_corpus("pydoc"), tokenizer, context + steps)[None]
-    labels = ["fp"] + [f"preset:{name}" for name in presets]
+    labels = ["fp"] + [f"preset:{name}{how}" for name in presets for how in ("", DECODED_COPY)]
     times: dict[str, list[float]] = {label: [] for label in labels}
     with torch.no_grad(), contextlib.ExitStack() as stack:
         runners = {}
@@ -362,8 +373,9 @@ def decode_cpu(
         runners["fp"] = (model, fp_cache)
         for label in labels[1:]:
             copy_ = copy.deepcopy(model)
-            config = resolve(label, copy_, tokenizer, progress=False)
+            config = resolve(label.removesuffix(DECODED_COPY), copy_, tokenizer, progress=False)
             cache = stack.enter_context(compress(copy_, config, tokenizer=tokenizer))
+            cache.keep_decoded(label.endswith(DECODED_COPY))
             copy_(ids[:, :context], cache=cache, use_cache=True)
             runners[label] = (copy_, cache)
         for step in tqdm(range(steps), desc="decode steps", disable=not progress):
@@ -399,6 +411,6 @@ def print_decode_cpu(result: dict) -> None:
         f"{result['model']}, decode after {result['context']} tokens, {result['steps']} steps, "
         f"{result['threads']} threads, load average {result['load']:.1f}"
     )
-    print(f"{'method':<16} {'ms/token':>9} {'vs fp':>7}")
+    print(f"{'method':<20} {'ms/token':>9} {'vs fp':>7}")
     for label, row in result["methods"].items():
-        print(f"{label:<16} {row['ms']:>9.1f} {row['ratio']:>6.2f}x")
+        print(f"{label:<20} {row['ms']:>9.1f} {row['ratio']:>6.2f}x")

@@ -12,6 +12,11 @@ That one-shot forward is the reference in every mode: it is the model's exact di
 and the decode harness reproduces it with an exact cache (``hf-dynamic`` in decode mode: KL at
 the level of float rounding), so any KL a method shows is its own.
 
+In decode and chunked mode on CPU, the caches of :mod:`rqlib.hf` keep a decoded copy of their
+codes (:meth:`rqlib.hf.cache.CompressedCache.keep_decoded`): the numbers are the same bit for bit,
+the steps faster, and the memory of the cache is not what the bit counts say (they count what is
+stored compressed).
+
 Methods are :class:`rqlib.spec.config.CompressionConfig` objects (the caches of
 :mod:`rqlib.hf`; a bit budget, ``alloc=``, is resolved by the caller first with
 :func:`rqlib.study.allocation.resolve`) or :class:`rqlib.study.peers.Peer` objects (the
@@ -286,12 +291,14 @@ def _result(method, model_config, context: int) -> MethodResult:
 
 
 @contextlib.contextmanager
-def _cache_of(model, method, tokenizer):
-    """A fresh cache of ``method`` for one window (ours installed with :func:`compress`)."""
+def _cache_of(model, method, tokenizer, decoded_copy: bool):
+    """A fresh cache of ``method`` for one window (ours installed with :func:`compress`, with a
+    decoded copy of its codes when ``decoded_copy``)."""
     if isinstance(method, Peer):
         yield method.make_cache(model)
     else:
         with compress(model, method, tokenizer=tokenizer) as cache:
+            cache.keep_decoded(decoded_copy)
             yield cache
 
 
@@ -359,11 +366,13 @@ def evaluate(
             steps.update(fed)
             del logits
             step = {"prefill": fed, "decode": 1, "chunked": chunk}[mode]
+            # short steps on CPU read a decoded copy of the codes (same numbers, bit for bit)
+            decoded_copy = step < fed and device.type == "cpu"
             for result, method in zip(results[1:], methods):
                 steps.set_postfix_str(f"tokens {begin}..{end} {result.label}")
                 started = time.perf_counter()
                 scores = []
-                with _cache_of(model, method, tokenizer) as cache:
+                with _cache_of(model, method, tokenizer, decoded_copy) as cache:
                     for start in range(0, fed, step):
                         stop = min(start + step, fed)
                         logits = model(ids[:, start:stop], cache=cache, use_cache=True).logits[0]
@@ -379,6 +388,8 @@ def evaluate(
                     result.seconds += time.perf_counter() - started
                     result.tokens_fed += fed
                     _record_storage(result, method, cache, model_config)
+                    if decoded_copy and not isinstance(method, Peer):
+                        result.extra["decoded_copy"] = True
                 result.add_window(*(torch.cat(parts) for parts in zip(*scores)))
     steps.close()
     return results

@@ -38,13 +38,18 @@ token and the mask applies the window, as the cache of :mod:`rqlib.hf` does
 (:meth:`Peer.note` says so, and the evaluation records it).
 
 optimum-quanto compiles a small C++ extension on first use on CPU (``ninja`` and a C++
-compiler; a few minutes once). HQQ ships as an sdist (``hqq``, installed with ``--no-deps``).
+compiler; a few minutes once), guarded by a lock file that torch waits on without a time limit;
+a process stopped while building leaves the file behind, and every later run would wait
+forever, so a lock older than :data:`STALE_BUILD_LOCK_SECONDS` is an error naming the file.
+HQQ ships as an sdist (``hqq``, installed with ``--no-deps``).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from rqlib.spec.bits import EXACT_BITS
 from rqlib.spec.geometry import model_geometry
@@ -249,7 +254,7 @@ class Peer:
     # ---- the cache -------------------------------------------------------------------------
     def check_available(self) -> None:
         """``ModuleNotFoundError`` saying what to install when the backend's package is
-        missing."""
+        missing; ``RuntimeError`` when a stale build lock would make it wait forever."""
         _check_backend(self)
 
     def note(self, model_config) -> str | None:
@@ -324,6 +329,34 @@ def _check_backend(peer: Peer) -> None:
         raise ModuleNotFoundError(
             f"{peer.label} needs the {package.split('.')[-1]} package, which is not installed: "
             f"{install} (the 'peers' group of pyproject.toml)"
+        )
+    if peer.backend == "quanto":
+        check_build_lock(_quanto_build_lock())
+
+
+#: A build of quanto's extension takes minutes; a lock file older than this was left behind.
+STALE_BUILD_LOCK_SECONDS = 15 * 60
+
+
+def _quanto_build_lock() -> Path:
+    import importlib.util
+
+    (root,) = importlib.util.find_spec("optimum.quanto").submodule_search_locations
+    return Path(root) / "library" / "extensions" / "cpp" / "build" / "lock"
+
+
+def check_build_lock(lock: Path, now: float | None = None) -> None:
+    """Raise if the build lock ``lock`` of a C++ extension is older than
+    :data:`STALE_BUILD_LOCK_SECONDS` (torch would wait on it forever)."""
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_SECONDS:
+        raise RuntimeError(
+            f"{lock} is {age / 60:.0f} minutes old: a build of optimum-quanto's C++ extension "
+            "stopped without removing its lock, and torch would wait for it forever. If no "
+            "other process is building it now, delete that file and run again"
         )
 
 

@@ -1,0 +1,90 @@
+"""A decoded copy of the codes (``CompressedCache.keep_decoded``): the same numbers, bit for bit.
+
+On CPU the attention can read each stored key's and value's codebook values and norm from a copy
+written once per token, instead of decoding every stored code at every step. The copy must
+change nothing but the time: decode steps give logits equal bit for bit to the cache without it
+(tiny Llama, Gemma 3 with sliding windows that evict, Qwen2 with GQA; enough tokens that the
+recent band and the windows wrap around their rings), whether the copy is kept from the first
+token or turned on part-way. Equality alone could be vacuous (an attention that never reads the
+copy passes it), so the copy is also corrupted and the logits must move.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import ByteTokenizer, preset_config, tiny_model
+
+from rqlib.hf import compress
+
+# 96 positions: the band (64 tokens) and Gemma 3's windows (6) wrap around their rings
+PREFILL, STEPS = 70, 26
+
+
+def seed_of(rng) -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+
+
+def decode(model, config, ids, *, copy_from: int | None, corrupt: bool = False):
+    """Prefill ``PREFILL`` tokens, then feed the rest one at a time; the logits of every step.
+    ``copy_from``: the step (0 = before the prefill) at which the decoded copy is turned on, or
+    ``None``. ``corrupt``: add noise to every decoded copy after the prefill."""
+    logits = []
+    with torch.no_grad(), compress(model, config, tokenizer=ByteTokenizer()) as cache:
+        cache.keep_decoded(copy_from == 0)
+        model(ids[:, :PREFILL], cache=cache)
+        for step in range(STEPS):
+            if copy_from is not None and step == copy_from and step > 0:
+                cache.keep_decoded(True)
+            if corrupt and step == 0:
+                for layer in cache.layers:
+                    for stream in layer.streams.values():
+                        for ring in stream.rings:
+                            if ring.has_decoded:
+                                ring.buffers["decoded"].add_(0.05)
+            token = ids[:, PREFILL + step : PREFILL + step + 1]
+            logits.append(model(token, cache=cache).logits)
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "preset"), [("llama", "rq-3.5"), ("gemma3", "rq-2.5"), ("qwen2", "rq-3")]
+)
+def test_decode_steps_read_the_copy_and_give_the_same_logits_bit_for_bit(kind, preset, rng):
+    model = tiny_model(kind, seed_of(rng))
+    config = preset_config(preset, model)
+    ids = torch.randint(1, 256, (1, PREFILL + STEPS), generator=rng)
+    without = decode(model, config, ids, copy_from=None)
+    assert torch.equal(decode(model, config, ids, copy_from=0), without)
+    assert torch.equal(decode(model, config, ids, copy_from=STEPS // 2), without)
+    corrupted = decode(model, config, ids, copy_from=0, corrupt=True)
+    moved = (corrupted - without).abs().max().item()
+    print(f"{kind} {preset}: largest logit change with a corrupted copy {moved:.3g}")
+    assert moved > 1e-3  # the attention reads the copy (the noise is 0.05 per coordinate)
+
+
+def test_the_copy_is_not_counted_as_stored_and_is_reserved_at_its_size(rng):
+    """``nbytes`` counts what is stored compressed, with or without the copy;
+    ``reserved_nbytes`` grows by the copy's size: float32 codebook values and a float32 norm
+    per slot, KV head and packed stream; dropping the copy frees it."""
+    model = tiny_model("llama", seed_of(rng))
+    config = preset_config("rq-3", model)
+    ids = torch.randint(1, 256, (1, 40), generator=rng)
+    with torch.no_grad(), compress(model, config, tokenizer=ByteTokenizer()) as cache:
+        model(ids, cache=cache)
+        stored, reserved = cache.nbytes(), cache.reserved_nbytes()
+        cache.keep_decoded(True)
+        expected = 0
+        for layer in cache.layers:
+            for stream in layer.streams.values():
+                for ring in stream.rings:
+                    if ring.packed:
+                        slots = ring.batch * ring.heads * ring.capacity
+                        expected += slots * 4 * (ring.quantizer.rotated_dim + 1)
+        assert expected > 0
+        assert cache.nbytes() == stored
+        assert cache.reserved_nbytes() == reserved + expected
+        cache.keep_decoded(False)
+        assert cache.reserved_nbytes() == reserved
+        with pytest.raises(TypeError, match="True or False"):
+            cache.keep_decoded("yes")
