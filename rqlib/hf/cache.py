@@ -16,6 +16,9 @@ keeps only the tokens its window can still see: older ones are evicted, not only
 A decode step appends one token to each stream (no copy that grows with the context) and runs
 one fused attention over the stored state (:func:`rqlib.kernels.attention`: the Triton kernel
 on CUDA, the torch implementation on CPU). A long prompt is attended in query and key blocks.
+On CPU, :meth:`CompressedCache.keep_decoded` makes decode steps read a decoded copy of the
+codes, written once per token, instead of decoding every stored code at every step: the same
+numbers bit for bit, at the memory of a float32 cache (for evaluation; off by default).
 
 Steps. Every forward is one step: the first layer update opens it, the last one completes it.
 If a forward fails part-way (an exception in a layer, or outside the cache between two layers),
