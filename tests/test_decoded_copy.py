@@ -88,3 +88,29 @@ def test_the_copy_is_not_counted_as_stored_and_is_reserved_at_its_size(rng):
         assert cache.reserved_nbytes() == reserved
         with pytest.raises(TypeError, match="True or False"):
             cache.keep_decoded("yes")
+
+
+def test_a_copy_that_fails_to_build_leaves_every_stream_as_it_was(rng, monkeypatch):
+    """Turning the copy on decodes the stored tokens; if that fails part-way, no stream is
+    left with a partial copy (which attention would read as if it were whole)."""
+    from rqlib.kernels import store
+
+    model = tiny_model("llama", seed_of(rng))
+    config = preset_config("rq-3", model)
+    ids = torch.randint(1, 256, (1, 20), generator=rng)
+    real_write = store.VectorRing._write
+
+    def failing_write(ring, start, fields):
+        if "decoded" in fields:
+            raise RuntimeError("out of memory (simulated)")
+        return real_write(ring, start, fields)
+
+    with torch.no_grad(), compress(model, config, tokenizer=ByteTokenizer()) as cache:
+        model(ids, cache=cache)
+        reserved = cache.reserved_nbytes()
+        monkeypatch.setattr(store.VectorRing, "_write", failing_write)
+        with pytest.raises(RuntimeError, match="simulated"):
+            cache.keep_decoded(True)
+        rings = [r for layer in cache.layers for s in layer.streams.values() for r in s.rings]
+        assert not any(r.has_decoded or "decoded" in r.buffers for r in rings)
+        assert cache.reserved_nbytes() == reserved

@@ -149,11 +149,11 @@ class CompressedLayer(CacheLayerMixin):
     def keep_decoded(self, keep: bool = True) -> None:
         """Keep (or drop) a decoded copy of every packed stream (see
         :meth:`CompressedCache.keep_decoded`)."""
-        self.decoded_copy = keep
         for stream in self.streams.values():
             for ring in stream.rings:
                 if ring.packed:
                     ring.keep_decoded(keep)
+        self.decoded_copy = keep
 
     def reset(self) -> None:
         """Forget every token (the codecs stay)."""

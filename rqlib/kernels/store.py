@@ -117,9 +117,15 @@ class VectorRing:
             shapes["signs"] = ((*lead, capacity, (qz.qjl_dim + 7) // 8), torch.uint8)
             shapes["rnorms"] = ((*lead, capacity * self.norm_width // 8), torch.uint8)
         if self.has_decoded:
-            shapes["decoded"] = ((*lead, capacity, qz.rotated_dim), DECODED_DTYPE)
-            shapes["norm_values"] = ((*lead, capacity), DECODED_DTYPE)
+            shapes.update(self._decoded_shapes(capacity))
         return shapes
+
+    def _decoded_shapes(self, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        lead = (self.batch, self.heads)
+        return {
+            "decoded": ((*lead, capacity, self.quantizer.rotated_dim), DECODED_DTYPE),
+            "norm_values": ((*lead, capacity), DECODED_DTYPE),
+        }
 
     def bytes_per_token(self) -> float:
         """Stored bytes per token and (batch row, KV head): what the accounting counts."""
@@ -158,16 +164,19 @@ class VectorRing:
                 self.buffers.pop(name, None)
             self.has_decoded = False
             return
-        self.has_decoded = True
-        if not self.buffers:  # nothing allocated yet: the first write allocates it
-            return
-        for name, (shape, dtype) in self._row_shapes(self.capacity).items():
-            if name in DECODED:
-                self.buffers[name] = torch.zeros(shape, dtype=dtype, device=self.device)
-        first = max(0, self.end - self.capacity)
-        if first < self.end:
-            fields = self._decoded_fields(self.read(first, self.end))
-            self._write(first, fields)
+        if self.buffers:  # decode the stored tokens; nothing changes if that fails
+            first = max(0, self.end - self.capacity)
+            fields = self._decoded_fields(self.read(first, self.end)) if first < self.end else {}
+            try:
+                for name, (shape, dtype) in self._decoded_shapes(self.capacity).items():
+                    self.buffers[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+                if fields:
+                    self._write(first, fields)
+            except BaseException:
+                for name in DECODED:
+                    self.buffers.pop(name, None)
+                raise
+        self.has_decoded = True  # (nothing allocated yet: the first write allocates the copy)
 
     def _decoded_fields(self, data, fields: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The decoded copy of ``data`` (its norm ``fields`` if already at hand), computed as
