@@ -157,7 +157,9 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["prefill", "decode", "chunked"],
         default="prefill",
         help="how a window goes through each cache: one forward (prefill, default), one token "
-        "per forward as generate() feeds it (decode), or --chunk tokens per forward (chunked)",
+        "per forward as generate() feeds it (decode), or --chunk tokens per forward (chunked); "
+        "on CPU, decode and chunked steps of rqlib's caches read a decoded copy of the codes "
+        "(the same numbers, faster, more memory)",
     )
     parser.add_argument(
         "--chunk", type=int, default=None, help="tokens per forward in --mode chunked"
