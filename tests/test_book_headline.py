@@ -135,6 +135,11 @@ def test_numbers_name_the_missed_targets(rng):
     assert "rq-3.5 at 1024 tokens, KL: 0.02 against 0.01" in numbers["held_targets_missed"]
     assert numbers["agree_kl_ratio_min"] == numbers["agree_kl_ratio_max"] == 1.0
     assert numbers["agree_cost_ratio_min"] == numbers["agree_cost_ratio_max"] == 1.0
+    # what the token-by-token steps read: said from the files, not assumed
+    assert numbers["agree_decode_reads"].startswith("the packed codes")
+    copied = first.assign(decoded_copy=True)
+    numbers = loaders.headline_numbers(tables, targets, copied, tables[1024])
+    assert numbers["agree_decode_reads"].startswith("a decoded copy")
 
 
 def test_pareto_front_keeps_exactly_the_undominated_points(rng):

@@ -300,6 +300,7 @@ def test_eval_command_end_to_end_in_decode_mode_from_an_offset(tmp_path, rng, ca
     assert list(frame["kind"]) == ["fp", "peer", "control", "rqlib"]
     assert (frame["n_scored"] == 22).all() and (frame["seconds_per_token"] > 0).all()
     assert (frame["offset"] == offset).all()
+    assert list(frame["decoded_copy"]) == [False, False, False, True]  # only ours keep one
     exact = frame.set_index("method").loc["hf-dynamic"]
     assert abs(exact["kl"]) < 1e-5 and exact["top1"] == 1
 

@@ -343,7 +343,8 @@ def load_headline(path: Path | str) -> pd.DataFrame:
     Columns: ``method`` (its label), ``kind`` (``fp``; ``rqlib``; ``peer``; ``control``, the
     exact cache fed like the others, ``hf-dynamic``), ``bits_key``,
     ``bits_value``, ``bits_mean``, ``bytes_per_token``, ``perplexity``, ``delta_ppl_pct``,
-    ``kl``, ``top1``, ``n_scored``, ``seconds``, ``seconds_per_token``; and the run's fields
+    ``kl``, ``top1``, ``n_scored``, ``seconds``, ``seconds_per_token``, ``decoded_copy``
+    (whether the steps read a decoded copy of the codes); and the run's fields
     (:data:`HEADLINE_RUN_FIELDS`, ``corpus_sha256``) repeated on every row so that frames of
     several files can be concatenated. ``ValueError`` names a file that is not such a table.
     """
@@ -372,6 +373,7 @@ def load_headline(path: Path | str) -> pd.DataFrame:
                 "n_scored": result["n_scored"],
                 "seconds": result["seconds"],
                 "seconds_per_token": result["seconds_per_token"],
+                "decoded_copy": bool(result.get("extra", {}).get("decoded_copy", False)),
             }
         )
     frame = pd.DataFrame(rows)
@@ -473,14 +475,16 @@ def _row(method: str, one: pd.Series, measured: pd.Series | None, decode_run: st
         "windows": int(one["windows"] if measured is None else measured["windows"]),
         "seconds_per_token": decoded("seconds_per_token"),
         "prefill_seconds_per_token": one["seconds_per_token"],
+        "decoded_copy": bool(measured is not None and measured.get("decoded_copy", False)),
     }
 
 
 def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
     """Our caches on one window, token by token against one forward (``first``: a
     :func:`headline_table` of ``first_window=True``): ``method``, ``kl_decode``,
-    ``kl_prefill``, ``kl_ratio`` (decode over one forward) and ``cost_ratio`` (seconds per
-    token, decode over one forward)."""
+    ``kl_prefill``, ``kl_ratio`` (decode over one forward), ``cost_ratio`` (seconds per
+    token, decode over one forward) and ``decoded_copy`` (whether the token-by-token steps read
+    a decoded copy of the codes)."""
     ours = first[(first["kind"] == "rqlib") & (first["decode_run"] == "token by token")]
     return pd.DataFrame(
         {
@@ -491,6 +495,7 @@ def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
             "cost_ratio": (
                 ours["seconds_per_token"] / ours["prefill_seconds_per_token"]
             ).to_numpy(),
+            "decoded_copy": ours["decoded_copy"].to_numpy(),
         }
     )
 
@@ -622,6 +627,11 @@ def headline_numbers(
     numbers["agree_cost_ratio_max"] = float(agreement["cost_ratio"].max())
     numbers["agree_kl_ratio_min"] = float(agreement["kl_ratio"].min())
     numbers["agree_kl_ratio_max"] = float(agreement["kl_ratio"].max())
+    numbers["agree_decode_reads"] = (
+        "a decoded copy of the codes, written once per token"
+        if bool(agreement["decoded_copy"].all())
+        else "the packed codes, decoding every stored one again"
+    )
     for row in gemma.itertuples():
         for column in ("bits_mean", "delta_ppl_pct", "kl", "prefill_delta_ppl_pct"):
             numbers[slug("gemma", row.method, column)] = float(getattr(row, column))
