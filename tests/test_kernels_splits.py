@@ -23,6 +23,12 @@ from rqlib.kernels import limits as geo
 # Llama-3-8B, 3-bit keys and values: a vector is 128 * 3 code bits + an 11-bit norm
 KEY_BYTES = 2 * (128 * 3 + 11) / 8  # 98.75 bytes of K and V per key position and KV head
 PARTIAL = 2 * 4 * (2 + 3 * 128) * 4  # 4 rows of (m, l, 3 x 128 accumulators), written + read
+
+
+def test_partial_bytes_by_hand():
+    assert geo.partial_bytes(4, 128) == PARTIAL == 12352
+
+
 # the shortest split: PARTIAL / (0.25 * KEY_BYTES) = 12352 / 24.6875 = 500.3 keys
 
 
@@ -90,5 +96,5 @@ def test_the_launch_plans_from_the_layer_bytes_and_the_device_sm_count(rng, monk
     layer.update(keys, values)
     state = layer.state()
     monkeypatch.setattr(launch, "_sm_count", lambda kind, index: 132)
-    assert launch.split_plan(state, 1, 4, 128, torch.device("cpu"), None) == (33, 1008)
-    assert launch.split_plan(state, 1, 4, 128, torch.device("cpu"), 512) == (64, 512)
+    assert launch.split_plan(state, 32768, 1, 4, 128, torch.device("cpu"), None) == (33, 1008)
+    assert launch.split_plan(state, 32768, 1, 4, 128, torch.device("cpu"), 512) == (64, 512)

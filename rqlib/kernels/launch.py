@@ -7,7 +7,6 @@ every buffer starts as NaN (or 0xFF bytes) and an element a kernel forgets to wr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -198,20 +197,17 @@ def _sm_count(device_type: str, index: int | None) -> int | None:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
-def split_plan(state, batch: int, n_rows: int, block_v: int, device, partition: int | None):
-    """``(splits, partition)`` of a decode step (one block of rows): at most ``partition`` keys
-    per split when given, else chosen from the device's SM count and the bytes per key
-    (:func:`rqlib.kernels.limits.decode_splits`)."""
-    first = state.first
-    span = max(1, state.end - first)
+def split_plan(state, span: int, batch: int, rows: int, block_v: int, device, partition):
+    """``(splits, partition)`` of a decode step (one block of ``rows`` rows) over ``span`` keys:
+    at most ``partition`` keys per split when given, else chosen from the device's SM count and
+    the layer's bytes per key (:func:`rqlib.kernels.limits.decode_splits`)."""
+    span = max(1, span)
     if partition is not None:
-        splits = math.ceil(span / partition)
-        block = geo.ATTENTION_BLOCK_S
-        return splits, max(block, math.ceil(span / splits / block) * block)
+        return geo.even_partition(span, math.ceil(span / partition))
     kv_heads = state.keys.rings[0].heads
     key_bytes = sum(ring.bytes_per_token() for s in (state.keys, state.values) for ring in s.rings)
-    partial = 2 * n_rows * (2 + 3 * block_v) * 4  # m, l, accumulators: written, read back
     sm_count = _sm_count(device.type, device.index)
+    partial = geo.partial_bytes(rows, block_v)
     return geo.decode_splits(span, batch * kv_heads, sm_count, partial, key_bytes)
 
 
@@ -283,12 +279,11 @@ def attention(
     if causal and window:
         first = max(first, state.start - window + 1)
     n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
+    span = state.end - first
     if n_row_blocks == 1:
-        plan_state = dataclasses.replace(state, first=first)
-        n_splits, partition = split_plan(plan_state, batch, n_rows, block_v, device, partition)
+        n_splits, partition = split_plan(state, span, batch, n_rows, block_v, device, partition)
     else:  # a prompt: its row blocks provide the parallelism, one split each
-        block = geo.ATTENTION_BLOCK_S
-        n_splits, partition = 1, max(block, math.ceil((state.end - first) / block) * block)
+        n_splits, partition = geo.even_partition(span, 1)
 
     total_rows = batch * kv_heads * n_rows
     part_m = empty((total_rows, n_splits), torch.float32, device)

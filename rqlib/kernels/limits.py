@@ -43,6 +43,21 @@ MAX_PARTIAL_SHARE = 0.25  # a split's partial results cost at most this share of
 VALUE_BLOCKS = (64, 128, 256, 512)  # accumulator widths (next power of two >= 64)
 
 
+def partial_bytes(rows: int, block_v: int) -> int:
+    """Bytes of one split's partial results for ``rows`` query rows: ``m``, ``l`` and the three
+    accumulators of ``block_v`` floats per row, written by the split and read back by the
+    reduce."""
+    return 2 * rows * (2 + 3 * block_v) * 4
+
+
+def even_partition(span: int, splits: int) -> tuple[int, int]:
+    """``(splits, partition)``: ``span`` keys cut into at most ``splits`` near-equal splits of
+    whole key tiles (``partition >= ATTENTION_BLOCK_S``, ``splits * partition >= span``)."""
+    block = ATTENTION_BLOCK_S
+    partition = max(block, math.ceil(span / max(1, splits) / block) * block)
+    return math.ceil(span / partition), partition
+
+
 def decode_splits(
     span: int,
     programs: int,
@@ -73,9 +88,7 @@ def decode_splits(
         fill = math.ceil(SPLIT_WAVES * sm_count / programs)
         shortest = max(ATTENTION_BLOCK_S, partial_bytes / (MAX_PARTIAL_SHARE * key_bytes))
         splits = min(fill, max(1, math.floor(span / shortest)))
-    block = ATTENTION_BLOCK_S
-    partition = max(block, math.ceil(span / max(1, splits) / block) * block)
-    return math.ceil(span / partition), partition
+    return even_partition(span, splits)
 
 
 def value_block(width: int) -> int:

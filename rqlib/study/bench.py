@@ -221,15 +221,17 @@ def run_gpu(args) -> int:
 
 
 def partial_bytes(layer, q_heads: int, batch: int, value_width: int, device) -> int:
-    """Bytes of the attention's partial results, written once and read back once, with the
-    splits the launch chooses on ``device`` (:func:`rqlib.kernels.launch.split_plan`)."""
+    """Bytes of the attention's partial results in a decode step, written once and read back
+    once, with the splits the launch chooses on ``device``
+    (:func:`rqlib.kernels.launch.split_plan`)."""
     from rqlib.kernels.launch import split_plan
 
     state = layer.state()
     block = geo.value_block(value_width)
-    n_rows = q_heads // state.keys.rings[0].heads
-    splits, _ = split_plan(state, batch, n_rows, block, torch.device(device), None)
-    return 2 * batch * q_heads * splits * (2 + 3 * block) * 4
+    rows = q_heads // state.keys.rings[0].heads  # one query token: the GQA group
+    span = state.end - state.first
+    splits, _ = split_plan(state, span, batch, rows, block, torch.device(device), None)
+    return batch * state.keys.rings[0].heads * splits * geo.partial_bytes(rows, block)
 
 
 def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
