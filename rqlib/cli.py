@@ -166,6 +166,14 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--window", type=int, default=1024, help="tokens per window")
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="windows fed together as a batch of sequences (default 1): the fp forward and "
+        "rqlib's caches take consecutive windows of equal length at once, peers one at a time; "
+        "in decode mode on CPU a step of 8 windows costs little more than a step of one",
+    )
+    parser.add_argument(
         "--stride",
         type=int,
         default=None,
@@ -256,6 +264,7 @@ def _prepare_eval(args: argparse.Namespace):
     for name in ("tokens", "window", "context"):
         _at_least(name, getattr(args, name), 2)
     _at_least("offset", args.offset, 0)
+    _at_least("batch", args.batch, 1)
     if (args.mode == "chunked") != (args.chunk is not None):
         raise UsageError("--chunk N goes with --mode chunked (and only with it)")
     with _user_input("--method"):
@@ -303,6 +312,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         context=args.context,
         mode=args.mode,
         chunk=args.chunk,
+        batch=args.batch,
         progress=not args.no_progress,
     )
     fp_perplexity = results[0].perplexity
@@ -313,6 +323,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         + (f", stride {args.stride}" if args.stride else " (non-overlapping)")
         + f", {args.mode} mode"
         + (f" ({args.chunk} tokens per forward)" if args.chunk else "")
+        + (f", {args.batch} windows per batch" if args.batch > 1 else "")
         + f", bits amortized at {args.context} tokens"
     )
     print(format_table(rows))
@@ -330,6 +341,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             "windows": len(windows(args.tokens, args.window, args.stride)),
             "mode": args.mode,
             "chunk": args.chunk,
+            "batch": args.batch,
             "reference": "the uncompressed model, one forward per window (fp)",
             "context": args.context,
             "device": args.device,
@@ -595,7 +607,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--batch", type=int, default=1, help="sequences per step (kernels and decode-cpu)"
+    )
     parser.add_argument("--key-method", default="turboquant-prod")
     parser.add_argument("--key-bits", type=int, default=3)
     parser.add_argument("--value-method", default="turboquant-mse")
@@ -624,7 +638,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from rqlib.study.bench import decode_cpu, print_byte_model, print_decode_cpu, run_gpu
 
     if args.what == "decode-cpu":
-        for name, minimum in (("context", 1), ("steps", 1)):
+        for name, minimum in (("context", 1), ("steps", 1), ("batch", 1)):
             _at_least(name, getattr(args, name), minimum)
         if args.threads is not None:
             _at_least("threads", args.threads, 1)
@@ -637,7 +651,12 @@ def _run_bench(args: argparse.Namespace) -> int:
         _check_output(args.json, args.force)
         with _user_input(f"--model {args.model}"):
             result = decode_cpu(
-                args.model, args.context, args.steps, tuple(args.presets), args.threads
+                args.model,
+                args.context,
+                args.steps,
+                tuple(args.presets),
+                args.threads,
+                batch=args.batch,
             )
         print_decode_cpu(result)
         if args.json:

@@ -1130,6 +1130,11 @@ ROWS = [
         one_line_error(r"--presets: unknown preset 'rq-9'"),
     ),
     Row(
+        "bench decode-cpu: batch 0",
+        cli("bench", "decode-cpu", "--batch", "0", forbid=("rqlib.study.bench.decode_cpu",)),
+        one_line_error(r"--batch must be >= 1"),
+    ),
+    Row(
         "bench: head_dim 0",
         cli("bench", "kernels", "--head-dim", "0"),
         one_line_error(r"--head-dim must be >= 2"),

@@ -18,8 +18,10 @@ from rqlib.study.eval import (
     evaluate,
     select_tokens,
     tokens_sha256,
+    window_batches,
     windows,
 )
+from rqlib.study.peers import Peer
 
 
 def test_non_overlapping_windows_score_every_token_but_the_first_of_each():
@@ -144,6 +146,7 @@ def test_evaluate_rejects_bad_inputs(rng):
         (["eval", "--chunk", "4"], "--chunk N goes with --mode chunked"),
         (["eval", "--mode", "chunked", "--chunk", "0"], "chunk, an int >= 1"),
         (["eval", "--offset", "-1"], "--offset"),
+        (["eval", "--batch", "0"], "--batch must be >= 1"),
         (["eval", "--method", "hf-quanto:int3"], "int2, int4"),
         (
             ["eval", "--mode", "chunked", "--chunk", "8", "--method", "hf-quanto:int4"],
@@ -227,6 +230,55 @@ def test_chunked_agrees_with_decode(rng):
     )
     assert chunked.n_scored == decode.n_scored == 12 * 15
     assert_agree(chunked, decode)
+
+
+def test_window_batches_group_consecutive_windows_of_equal_length(rng):
+    n_tokens = int(torch.randint(60, 200, (1,), generator=rng))
+    window = int(torch.randint(4, 20, (1,), generator=rng))
+    batch = int(torch.randint(1, 6, (1,), generator=rng))
+    for stride in (None, max(1, window // 3)):
+        spans = windows(n_tokens, window, stride)
+        groups = window_batches(spans, batch)
+        assert [span for group in groups for span in group] == spans  # all, in order
+        for group in groups:
+            assert 1 <= len(group) <= batch
+            assert len({end - begin for begin, end, _ in group}) == 1
+        for before, after in zip(groups, groups[1:]):  # a group is cut only when it must be
+            full = len(before) == batch
+            longer = before[0][1] - before[0][0] != after[0][1] - after[0][0]
+            assert full or longer
+
+
+def test_batched_windows_score_like_one_window_at_a_time(rng):
+    """Windows fed as a batch of sequences (ours in one batched cache, the peer one window at a
+    time) give each window the scores it gets alone: the one-shot reference and the exact peer
+    to fp32 rounding (1e-5 nats per token), our lossy cache in distribution (the paired tests of
+    :func:`assert_agree`: each sequence is compressed on its own, a batched product may round
+    differently and flip a code). A batch that scored a window against another's tokens or
+    reference fails all three."""
+    model = tiny_llama(rng)
+    ids = torch.randint(0, 128, (200,), generator=rng)  # 12 windows of 16 and one of 8
+    batch = int(torch.randint(2, 6, (1,), generator=rng))
+    methods = [CompressionConfig.parse(LOSSY), Peer.parse("hf-dynamic")]
+    alone = evaluate(model, ids, methods, window=16, mode="decode", progress=False)
+    together = evaluate(model, ids, methods, window=16, mode="decode", batch=batch, progress=False)
+    for a, b in zip(alone, together):
+        assert (
+            (a.n_scored, a.tokens_fed)
+            == (b.n_scored, b.tokens_fed)
+            == (
+                a.n_scored,
+                12 * 15 + 7 + (13 if a.label == "fp" else 0),
+            )
+        )
+    for index in (0, 2):  # fp, hf-dynamic
+        assert torch.allclose(
+            alone[index].per_token("nll"), together[index].per_token("nll"), rtol=0, atol=1e-5
+        )
+    assert together[1].kl > 1e-4  # the lossy cache does change the distribution
+    assert_agree(together[1], alone[1])
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        evaluate(model, ids, methods, window=16, batch=0, progress=False)
 
 
 def test_modes_score_each_token_once_with_strided_windows(rng):

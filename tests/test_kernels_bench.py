@@ -82,7 +82,12 @@ def test_hbm_peak_lookup(monkeypatch, name, gbps):
 @pytest.mark.model
 def test_decode_cpu_runs_side_by_side():
     # a smoke test of the measuring code (two steps after 32 tokens), never of its timings
-    result = bench.decode_cpu(context=32, steps=2, presets=("rq-3",), threads=1, progress=False)
+    result = bench.decode_cpu(
+        context=32, steps=2, presets=("rq-3",), threads=1, progress=False, batch=3
+    )
     assert set(result["methods"]) == {"fp", "preset:rq-3", "preset:rq-3+copy"}
     assert all(len(row["times"]) == 2 for row in result["methods"].values())
     assert result["methods"]["fp"]["ratio"] == 1.0
+    assert result["batch"] == 3
+    for row in result["methods"].values():
+        assert row["ms_per_token"] == pytest.approx(row["ms"] / 3)

@@ -336,6 +336,7 @@ def decode_cpu(
     presets: tuple[str, ...] = ("rq-3.5",),
     threads: int | None = None,
     progress: bool = True,
+    batch: int = 1,
 ) -> dict:
     """Median time per decode step after ``context`` tokens: fp ``DynamicCache`` and presets.
 
@@ -345,8 +346,10 @@ def decode_cpu(
     Each method gets its own copy of the model and its own cache, prefilled with the same
     ``context`` tokens of pydoc; then the next ``steps`` tokens are fed one at a time, the methods
     taking turns at every step (in a rotating order), so that a change of machine load hits all
-    of them alike. Returns ``{"context", "steps", "threads", "load", "methods": {label: {"ms":
-    median, "ratio": median / fp median, "times": [...]}}}``.
+    of them alike. With ``batch`` > 1, a step feeds one token to each of ``batch`` sequences
+    (consecutive stretches of pydoc), as ``rqlib eval --batch`` does. Returns ``{"context",
+    "steps", "batch", "threads", "load", "methods": {label: {"ms": median ms per step,
+    "ms_per_token": that / batch, "ratio": median / fp median, "times": [...]}}}``.
     """
     import contextlib
     import copy
@@ -362,10 +365,13 @@ def decode_cpu(
     from rqlib.hf.models import load_model
     from rqlib.study.allocation import resolve
 
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if threads is not None:
         torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name)
-    ids = tokenize_corpus(load_corpus("pydoc"), tokenizer, context + steps)[None]
+    ids = tokenize_corpus(load_corpus("pydoc"), tokenizer, batch * (context + steps))
+    ids = ids.reshape(batch, context + steps)
     labels = ["fp"] + [f"preset:{name}{how}" for name in presets for how in ("", DECODED_COPY)]
     times: dict[str, list[float]] = {label: [] for label in labels}
     with torch.no_grad(), contextlib.ExitStack() as stack:
@@ -392,6 +398,7 @@ def decode_cpu(
     methods = {
         label: {
             "ms": 1000 * statistics.median(t),
+            "ms_per_token": 1000 * statistics.median(t) / batch,
             "ratio": statistics.median(t) / fp_median,
             "times": [round(1000 * x, 3) for x in t],
         }
@@ -401,6 +408,7 @@ def decode_cpu(
         "model": model_name,
         "context": context,
         "steps": steps,
+        "batch": batch,
         "threads": torch.get_num_threads(),
         "load": os.getloadavg()[0],
         "methods": methods,
@@ -409,10 +417,12 @@ def decode_cpu(
 
 def print_decode_cpu(result: dict) -> None:
     """The table of :func:`decode_cpu`."""
+    batch = result.get("batch", 1)
     print(
         f"{result['model']}, decode after {result['context']} tokens, {result['steps']} steps, "
-        f"{result['threads']} threads, load average {result['load']:.1f}"
+        f"batch {batch}, {result['threads']} threads, load average {result['load']:.1f}"
     )
-    print(f"{'method':<20} {'ms/token':>9} {'vs fp':>7}")
+    print(f"{'method':<20} {'ms/step':>9} {'ms/token':>9} {'vs fp':>7}")
     for label, row in result["methods"].items():
-        print(f"{label:<20} {row['ms']:>9.1f} {row['ratio']:>6.2f}x")
+        per_token = row.get("ms_per_token", row["ms"] / batch)
+        print(f"{label:<20} {row['ms']:>9.1f} {per_token:>9.1f} {row['ratio']:>6.2f}x")

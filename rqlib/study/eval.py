@@ -39,7 +39,13 @@ Windows: non-overlapping windows of ``window`` tokens (every token but the first
 window is scored), or with ``stride`` the Hugging Face sliding-window protocol (windows of
 ``window`` tokens starting every ``stride`` tokens; only the tokens not scored by the previous
 window are scored). No BOS is added. :func:`select_tokens` takes the tokens from an offset
-into the corpus (the held-out protocol).
+into the corpus (the held-out protocol). With ``batch`` > 1, consecutive windows of equal length
+go through the model together as a batch of sequences (the fp forward and rqlib's caches; peers
+are fed one window at a time): a decode step then costs little more than one window's, since
+on CPU it is mostly per-operation overhead. Each sequence of a batch is compressed on its own
+(per-vector codes and norms, a centering mean calibrated beforehand), so the scores are those of
+one window at a time up to float rounding: a code can flip where a batched product rounds
+differently, so they agree in distribution, not bit for bit.
 
 Every result carries its bits (:func:`rqlib.spec.bits.average_bits`, or
 :meth:`rqlib.study.peers.Peer.bits`) and its wall time: the seconds spent building its cache
@@ -72,6 +78,7 @@ __all__ = [
     "evaluate",
     "select_tokens",
     "tokens_sha256",
+    "window_batches",
     "windows",
 ]
 
@@ -323,6 +330,7 @@ def evaluate(
     context: int = 4096,
     mode: str = "prefill",
     chunk: int | None = None,
+    batch: int = 1,
     progress: bool = True,
 ) -> list[MethodResult]:
     """Evaluate the uncompressed model and every method on the same windows.
@@ -332,18 +340,20 @@ def evaluate(
     ``"chunked"`` (with ``chunk`` tokens per forward); see the module docstring. Returns one
     :class:`MethodResult` per method, the uncompressed model first (label ``"fp"``: the
     one-shot forward every method is compared with). ``tokenizer`` is passed to
-    :func:`rqlib.hf.compress` for calibration.
+    :func:`rqlib.hf.compress` for calibration. Up to ``batch`` consecutive windows of equal
+    length go through the model together (:func:`window_batches`).
     """
     from tqdm.auto import tqdm
 
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise ValueError("token_ids must be a 1-d tensor of token ids")
     check_methods(methods, mode, chunk)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     model_config = model.config
     results = [_result(None, model_config, context)]
     results += [_result(method, model_config, context) for method in methods]
     spans = windows(int(token_ids.numel()), window, stride)
-    device = next(model.parameters()).device
     fed_per_window = [end - begin - (mode != "prefill") for begin, end, _ in spans]
     steps = tqdm(
         total=sum(fed_per_window) * (1 + len(methods)),
@@ -352,47 +362,92 @@ def evaluate(
         disable=not progress,
     )
     with torch.no_grad():
-        for (begin, end, first), fed in zip(spans, fed_per_window):
-            ids = token_ids[begin:end][None].to(device)
-            targets = token_ids[first:end].to(device)
-            first_row = first - begin - 1  # logits at position j predict token j + 1
-            steps.set_postfix_str(f"tokens {begin}..{end} fp")
-            started = time.perf_counter()
-            logits = model(ids, use_cache=False).logits[0, first_row : end - begin - 1]
-            fp_log_probs = torch.log_softmax(logits.float(), -1)
-            results[0].seconds += time.perf_counter() - started
-            results[0].tokens_fed += end - begin
-            results[0].add_window(*_score(fp_log_probs, fp_log_probs, targets))
-            steps.update(fed)
-            del logits
-            step = {"prefill": fed, "decode": 1, "chunked": chunk}[mode]
-            # short steps on CPU read a decoded copy of the codes (same numbers, bit for bit)
-            decoded_copy = step < fed and device.type == "cpu"
-            for result, method in zip(results[1:], methods):
-                steps.set_postfix_str(f"tokens {begin}..{end} {result.label}")
-                started = time.perf_counter()
-                scores = []
-                with _cache_of(model, method, tokenizer, decoded_copy) as cache:
-                    for start in range(0, fed, step):
-                        stop = min(start + step, fed)
-                        logits = model(ids[:, start:stop], cache=cache, use_cache=True).logits[0]
-                        lo, hi = max(start, first_row), min(stop, end - begin - 1)
-                        if lo < hi:
-                            log_probs = torch.log_softmax(
-                                logits[lo - start : hi - start].float(), -1
-                            )
-                            rows = slice(lo - first_row, hi - first_row)
-                            scores.append(_score(log_probs, fp_log_probs[rows], targets[rows]))
-                        steps.update(stop - start)
-                        del logits
-                    result.seconds += time.perf_counter() - started
-                    result.tokens_fed += fed
-                    _record_storage(result, method, cache, model_config)
-                    if decoded_copy and not isinstance(method, Peer):
-                        result.extra["decoded_copy"] = True
-                result.add_window(*(torch.cat(parts) for parts in zip(*scores)))
+        for group in window_batches(spans, batch):
+            _evaluate_group(
+                model, token_ids, group, methods, results, tokenizer, mode, chunk, steps
+            )
     steps.close()
     return results
+
+
+def window_batches(
+    spans: list[tuple[int, int, int]], batch: int
+) -> list[list[tuple[int, int, int]]]:
+    """The windows of :func:`windows` in groups fed together as a batch of sequences: runs of
+    up to ``batch`` consecutive windows of equal length, in order."""
+    groups: list[list[tuple[int, int, int]]] = []
+    for span in spans:
+        last = groups[-1] if groups else None
+        if last and len(last) < batch and last[0][1] - last[0][0] == span[1] - span[0]:
+            last.append(span)
+        else:
+            groups.append([span])
+    return groups
+
+
+def _evaluate_group(model, token_ids, group, methods, results, tokenizer, mode, chunk, steps):
+    """Score every method on one group of equal-length windows (see :func:`evaluate`).
+
+    The fp forward and rqlib's caches take the group as one batch; peers are fed one window at
+    a time (their bit counts read a one-sequence cache)."""
+    device = next(model.parameters()).device
+    length = group[0][1] - group[0][0]
+    ids = torch.stack([token_ids[begin:end] for begin, end, _ in group]).to(device)
+    first_rows = [first - begin - 1 for begin, _, first in group]  # logits at j predict j + 1
+    targets = [token_ids[first:end].to(device) for _, end, first in group]
+    fed = length - (mode != "prefill")
+    labels = ", ".join(f"{begin}..{end}" for begin, end, _ in group)
+
+    steps.set_postfix_str(f"tokens {labels} fp")
+    started = time.perf_counter()
+    logits = model(ids, use_cache=False).logits
+    fp_log_probs = [
+        torch.log_softmax(logits[i, row : length - 1].float(), -1)
+        for i, row in enumerate(first_rows)
+    ]
+    results[0].seconds += time.perf_counter() - started
+    results[0].tokens_fed += length * len(group)
+    for log_probs, target in zip(fp_log_probs, targets):
+        results[0].add_window(*_score(log_probs, log_probs, target))
+    steps.update(fed * len(group))
+    del logits
+
+    step = {"prefill": fed, "decode": 1, "chunked": chunk}[mode]
+    # short steps on CPU read a decoded copy of the codes (same numbers, bit for bit)
+    decoded_copy = step < fed and device.type == "cpu"
+    for result, method in zip(results[1:], methods):
+        batches = (
+            [[i] for i in range(len(group))]
+            if isinstance(method, Peer)
+            else [list(range(len(group)))]
+        )
+        for members in batches:
+            steps.set_postfix_str(f"tokens {labels} {result.label}")
+            started = time.perf_counter()
+            scores: dict[int, list] = {i: [] for i in members}
+            with _cache_of(model, method, tokenizer, decoded_copy) as cache:
+                for start in range(0, fed, step):
+                    stop = min(start + step, fed)
+                    logits = model(ids[members, start:stop], cache=cache, use_cache=True).logits
+                    for row, i in enumerate(members):
+                        lo, hi = max(start, first_rows[i]), min(stop, length - 1)
+                        if lo < hi:
+                            log_probs = torch.log_softmax(
+                                logits[row, lo - start : hi - start].float(), -1
+                            )
+                            scored = slice(lo - first_rows[i], hi - first_rows[i])
+                            scores[i].append(
+                                _score(log_probs, fp_log_probs[i][scored], targets[i][scored])
+                            )
+                    steps.update((stop - start) * len(members))
+                    del logits
+                result.seconds += time.perf_counter() - started
+                result.tokens_fed += fed * len(members)
+                _record_storage(result, method, cache, model.config)
+                if decoded_copy and not isinstance(method, Peer):
+                    result.extra["decoded_copy"] = True
+            for i in members:
+                result.add_window(*(torch.cat(parts) for parts in zip(*scores[i])))
 
 
 # ---- do two modes agree? ---------------------------------------------------------------------
