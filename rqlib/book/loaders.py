@@ -61,10 +61,12 @@ COMMITTED = {
 #: The side-by-side runs on held-out text (wikitext-2 test from token 100000 on), by file ->
 #: what it holds. Our caches read every key, the chunk's own included, from its codes, so one
 #: forward per window computes what decode mode computes (``*-check-*`` measure both on one
-#: window); the peers keep a chunk exact, so they run token by token (``decode``) as well.
+#: window); the peers keep a chunk exact, so they run token by token (``decode``) as well, and
+#: so do the presets where a file holds them in decode mode (``*-decode-presets-*``).
 HEADLINE = {
     "headline/smollm2-prefill-w1024.json": "held out, 1024: everything, one forward per window",
     "headline/smollm2-decode-w1024.json": "held out, 1024: quanto, token by token",
+    "headline/smollm2-decode-presets-w1024.json": "held out, 1024: the presets, token by token",
     "headline/smollm2-prefill-w4096.json": "held out, 4096: everything, one forward per window",
     "headline/smollm2-decode-w4096.json": "held out, 4096: quanto int4, token by token",
     "headline/smollm2-decode-int2-w4096.json": "held out, 4096: quanto int2, token by token",
