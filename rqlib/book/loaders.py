@@ -67,6 +67,7 @@ HEADLINE = {
     "headline/smollm2-prefill-w1024.json": "held out, 1024: everything, one forward per window",
     "headline/smollm2-decode-w1024.json": "held out, 1024: quanto, token by token",
     "headline/smollm2-decode-presets-w1024.json": "held out, 1024: the presets, token by token",
+    "headline/smollm2-decode-tq-w1024.json": "held out, 1024: TurboQuant-MSE, token by token",
     "headline/smollm2-prefill-w4096.json": "held out, 4096: everything, one forward per window",
     "headline/smollm2-decode-w4096.json": "held out, 4096: quanto int4, token by token",
     "headline/smollm2-decode-int2-w4096.json": "held out, 4096: quanto int2, token by token",
