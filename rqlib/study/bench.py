@@ -417,12 +417,10 @@ def decode_cpu(
 
 def print_decode_cpu(result: dict) -> None:
     """The table of :func:`decode_cpu`."""
-    batch = result.get("batch", 1)
     print(
         f"{result['model']}, decode after {result['context']} tokens, {result['steps']} steps, "
-        f"batch {batch}, {result['threads']} threads, load average {result['load']:.1f}"
+        f"batch {result['batch']}, {result['threads']} threads, load average {result['load']:.1f}"
     )
     print(f"{'method':<20} {'ms/step':>9} {'ms/token':>9} {'vs fp':>7}")
     for label, row in result["methods"].items():
-        per_token = row.get("ms_per_token", row["ms"] / batch)
-        print(f"{label:<20} {row['ms']:>9.1f} {per_token:>9.1f} {row['ratio']:>6.2f}x")
+        print(f"{label:<20} {row['ms']:>9.1f} {row['ms_per_token']:>9.1f} {row['ratio']:>6.2f}x")
