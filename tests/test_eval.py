@@ -233,9 +233,13 @@ def test_chunked_agrees_with_decode(rng):
 
 
 def test_window_batches_group_consecutive_windows_of_equal_length(rng):
-    n_tokens = int(torch.randint(60, 200, (1,), generator=rng))
     window = int(torch.randint(4, 20, (1,), generator=rng))
-    batch = int(torch.randint(1, 6, (1,), generator=rng))
+    batch = int(torch.randint(2, 6, (1,), generator=rng))
+    # whole windows, not a multiple of batch (the last group has room), then a shorter one of
+    # 2 .. window - 1 tokens: a grouping that ignored lengths would put it in that last group
+    whole = batch * int(torch.randint(2, 4, (1,), generator=rng))
+    whole += int(torch.randint(1, batch, (1,), generator=rng))
+    n_tokens = window * whole + int(torch.randint(2, window, (1,), generator=rng))
     for stride in (None, max(1, window // 3)):
         spans = windows(n_tokens, window, stride)
         groups = window_batches(spans, batch)
