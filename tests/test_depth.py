@@ -154,8 +154,10 @@ def test_second_order_kl_approaches_the_exact_kl_for_small_errors(rng):
     )
     errors = layer_errors(query, key, value, quantizer, 16**-0.5)
     assert errors.kl_second_order == pytest.approx(errors.attention_kl, rel=0.1)
-    # a pure temperature change costs less than the whole error it is part of
-    assert 0 <= errors.kl_shrinkage <= errors.attention_kl
+    # a pure temperature change costs less than the whole error it is part of; at 8 bits the
+    # slope is ~1.0001, its KL is ~1e-9 and float32 rounding can take it a few 1e-9 below
+    # zero (seen -4e-9), so the lower bound allows the 5e-8 of the test above
+    assert -5e-8 <= errors.kl_shrinkage <= errors.attention_kl
 
 
 def test_mse_slope_on_random_keys_is_the_predicted_shrinkage(rng):
