@@ -265,9 +265,24 @@ def attention(
     v_ptrs, v_sizes, v_strides = _ring_arguments(values, device, exact_dtype)
     bk_ptrs, bk_sizes, bk_strides = _ring_arguments(state.band_keys, device, exact_dtype)
     bv_ptrs, bv_sizes, bv_strides = _ring_arguments(state.band_values, device, exact_dtype)
+    # a layer whose values are exact has no band or sink values: those pairs read the main ones
+    main_exact_values = (v_ptrs[4], v_sizes[1], v_strides[10:13])
+    bv_exact, bv_cap, bv_exact_strides = bv_ptrs[4], max(bv_sizes[1], 1), bv_strides[10:13]
+    if band_k_mode > 0 and band_v_mode == 0:
+        if not values.is_exact:
+            raise ValueError("a recent band of keys needs band values when values are codes")
+        bv_exact, bv_cap, bv_exact_strides = main_exact_values
     sink_k = state.sink_keys if state.sink_keys is not None else _dummy(device, exact_dtype)
-    sink_v = state.sink_values if state.sink_values is not None else sink_k
-    sink_strides = sink_k.stride()[:3] if state.sink_keys is not None else (0, 0, 0)
+    sink_k_strides = sink_k.stride()[:3] if state.sink_keys is not None else (0, 0, 0)
+    if state.sink_values is not None:
+        sink_v, sv_cap = state.sink_values, state.sink_values.shape[2]
+        sink_v_strides = state.sink_values.stride()[:3]
+    elif state.n_sink and not values.is_exact:
+        raise ValueError("a sink needs sink values when values are codes")
+    elif state.n_sink:
+        sink_v, sv_cap, sink_v_strides = main_exact_values
+    else:
+        sink_v, sv_cap, sink_v_strides = sink_k, 1, (0, 0, 0)
     mask_tensor, has_mask, causal, window, mask_len, mask_offset, mask_strides = _mask_arguments(
         mask, device
     )
@@ -286,14 +301,14 @@ def attention(
         n_splits, partition = geo.even_partition(span, 1)
 
     total_rows = batch * kv_heads * n_rows
-    part_m = empty((total_rows, n_splits), torch.float32, device)
-    part_l = empty((total_rows, n_splits), torch.float32, device)
-    part_acc = empty((total_rows, n_splits, 3 * block_v), torch.float32, device)
+    part_m = empty((total_rows, n_splits, 3), torch.float32, device)
+    part_l = empty((total_rows, n_splits, 3), torch.float32, device)
+    part_acc = empty((total_rows, n_splits, 3, block_v), torch.float32, device)
     attention_kernel[(batch * kv_heads, n_row_blocks, n_splits)](
         rows, q_main, q_sketch, q_band, mean, band_mean,
         *k_ptrs, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
         bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_ptrs[5],
-        bv_ptrs[0], bv_ptrs[1], bv_ptrs[4], bv_ptrs[5],
+        bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
         sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
         kv_heads, group, n_rows, head_dim, state.start, first, state.end, n_splits, partition,
         first, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
@@ -304,33 +319,35 @@ def attention(
         *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
         band_k_mode, band_v_mode, max(bk_sizes[1], 1), bk_sizes[2], bk_sizes[3], bk_sizes[4],
         bk_sizes[8], bk_sizes[9],
-        bv_dim, bv_sizes[3], bv_sizes[4], bv_sizes[8], bv_sizes[9],
+        bv_cap, bv_dim, bv_sizes[3], bv_sizes[4], bv_sizes[8], bv_sizes[9],
         *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
-        *bv_strides[:3], *bv_strides[3:5], *bv_strides[10:13],
-        *sink_strides, int(state.sink_values is not None),
+        *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
+        *sink_k_strides, *sink_v_strides, sv_cap,
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
         CHUNK=geo.CHUNK,
         num_warps=geo.NUM_WARPS,
     )  # fmt: skip
-    reduced = empty((total_rows, 3 * block_v), torch.float32, device)
-    reduce_kernel[(total_rows, math.ceil(3 * block_v / geo.REDUCE_BLOCK))](
+    reduced = empty((total_rows, 3, block_v), torch.float32, device)
+    reduce_kernel[(total_rows, 3, math.ceil(block_v / geo.REDUCE_BLOCK))](
         part_m,
         part_l,
         part_acc,
         reduced,
         n_splits,
-        3 * block_v,
+        block_v,
         BLOCK=geo.REDUCE_BLOCK,
         num_warps=geo.REDUCE_NUM_WARPS,
     )
     reduced = reduced.reshape(batch, kv_heads, n_rows, 3 * block_v)
     out = _rotate_back(values, reduced[..., :v_dim], device)
-    if band_v_mode == 2:
+    if band_v_mode == 2:  # slot 1: the band, in its value quantizer's rotated space
         band_matrix = state.band_values.parts[0].quantizer.rotation.matrix.to(device)
         out = out + reduced[..., block_v : block_v + bv_dim] @ band_matrix
-    if band_v_mode == 1 or state.sink_values is not None:
+    elif band_k_mode > 0:  # slot 1: the band's exact values (or the main ones)
+        out = out + reduced[..., block_v : block_v + head_dim]
+    if state.n_sink:  # slot 2: the sink, exact
         out = out + reduced[..., 2 * block_v : 2 * block_v + head_dim]
     out = out.reshape(batch, kv_heads, length, group, head_dim).transpose(2, 3)
     return out.reshape(batch, q_heads, length, head_dim)

@@ -44,10 +44,10 @@ VALUE_BLOCKS = (64, 128, 256, 512)  # accumulator widths (next power of two >= 6
 
 
 def partial_bytes(rows: int, block_v: int) -> int:
-    """Bytes of one split's partial results for ``rows`` query rows: ``m``, ``l`` and the three
-    accumulators of ``block_v`` floats per row, written by the split and read back by the
-    reduce."""
-    return 2 * rows * (2 + 3 * block_v) * 4
+    """Bytes of one split's partial results for ``rows`` query rows: ``m``, ``l`` and an
+    accumulator of ``block_v`` floats per row for each of the three streams (main, band, sink),
+    written by the split and read back by the reduce."""
+    return 2 * rows * 3 * (2 + block_v) * 4
 
 
 def even_partition(span: int, splits: int) -> tuple[int, int]:

@@ -3,24 +3,28 @@
 ``attention_kernel``: one program per (batch, KV head, block of BLOCK_ROWS query rows, split of
 the keys). A row is a (query position, query head of the GQA group) pair, so a key tile is
 decoded once for the whole group and any group size is served (a group of 40 heads is three row
-blocks). The program walks its keys in tiles of BLOCK_S and, per tile:
+blocks). A pair (row ``i``, key ``j``) reads exactly one of three streams:
 
-1. scores from the stored keys: ``||k|| <R q', c[codes]> + ||r|| gamma/m <S R q', signs>`` plus
-   ``<q, mu>`` (centering), with ``q' = q / a`` (channel scaling) rotated once on the host, or
-   ``<q, k>`` for an exact layer; norms are read from their bit stream (``w``-bit fields);
-2. the substitution: a pair (query ``i``, key ``j``) with ``i - band < j <= i`` takes its score
-   from the recent band (codes of the band codec, or exact), a sink key (``j < n_sink``) from the
-   exact sink (the sink wins); only tiles that hold such keys load them;
-3. scale, logit softcap, the mask (causal, sliding window, and a padding or dense mask read per
-   key), and an online softmax (running max m, running sum l);
-4. values weighted in place: the main stream's codes accumulate ``p ||v|| c[codes]`` in the value
-   quantizer's rotated space (``acc_main``), band codes in the band's (``acc_band``), exact band
-   and sink values in the model's coordinates (``acc_exact``). Nothing is ever decoded to a
-   value vector per key; the rotations back happen once per query after the reduce.
+- the **sink** when ``j < n_sink``: exact keys and values;
+- the **recent band** when ``i - band < j <= i`` (and ``j`` is not a sink key): the band's codes,
+  or exact vectors;
+- the **main** stream otherwise: ``||k|| <R q', c[codes]> + ||r|| gamma/m <S R q', signs>`` plus
+  ``<q, mu>`` (centering), with ``q' = q / a`` (channel scaling) rotated once on the host, or
+  ``<q, k>`` for an exact layer; norms are read from their bit stream (``w``-bit fields).
 
-Each program writes (m, l, acc_main | acc_band | acc_exact); ``reduce_kernel`` merges the splits
-of every row: ``M = max m_s``, ``out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s``. A row
-that sees no key (a padding position) gets zeros.
+The program walks each stream in its own loop over tiles of BLOCK_S keys (main, then band, then
+sink), so a tile decodes only what it reads and a loop keeps one accumulator live. Per tile:
+scale, logit softcap, the mask (causal, sliding window, a padding or dense mask read per key,
+and the pairs that belong to another stream), an online softmax (running max m, running sum l),
+and the values weighted in place: codes accumulate ``p ||v|| c[codes]`` in the value quantizer's
+rotated space, exact vectors in the model's coordinates. Nothing is ever decoded to a value
+vector per key; the rotations back happen once per query after the reduce.
+
+Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
+2 sink). ``reduce_kernel`` merges every split and slot of a row: ``M = max m``, ``L = sum
+e^(m - M) l``, and per slot ``out_t = sum_s e^(m_st - M) acc_st / L``: a slot is a part of the
+softmax-weighted sum in its own coordinates. A row that sees no key (a padding position) gets
+zeros.
 
 Tokens live in ring buffers (:mod:`rqlib.kernels.store`): position ``p`` of a stream with
 ``C`` slots is slot ``p % C``, so an append-only stream and a window (the band, a sliding layer
@@ -28,7 +32,7 @@ that evicts old tokens) are read the same way.
 
 Bytes read per key and KV head in a decode step, head_dim 128, 3-bit keys and values, 11-bit
 norms: 2 * (48 + 1.375) = 98.75 bytes, against 512 for fp16 keys and values; the sink and band
-tokens add a constant per step, and the partial results ``(2 + 3 * BLOCK_V)`` floats per row and
+tokens add a constant per step, and the partial results ``3 * (2 + BLOCK_V)`` floats per row and
 split.
 """
 
@@ -79,6 +83,71 @@ def exact_values(x_ptr, slots, stride_s, key_mask, width, BLOCK_V: tl.constexpr)
 
 
 @triton.jit
+def visible_pairs(
+    keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_ptr,
+    stride_mt, stride_mk, mask_len, mask_offset,
+):  # fmt: skip
+    """Which (row, key) pairs of a tile may attend, as int8 ``[BLOCK_ROWS, BLOCK_S]``: valid
+    rows and keys, causal and sliding-window order, and the padding or dense mask (``mask_ptr``
+    already offset to the batch row)."""
+    # int8, not bool: a boolean tensor must not leave an `if` (no 1-bit shared memory)
+    visible = (row_mask[:, None] & in_range[None, :]).to(tl.int8)
+    if causal != 0:
+        visible = visible * (keys[None, :] <= positions[:, None]).to(tl.int8)
+        if window > 0:
+            visible = visible * (keys[None, :] > positions[:, None] - window).to(tl.int8)
+    if has_mask != 0:
+        column = keys - mask_offset
+        inside = (column >= 0) & (column < mask_len)
+        flags = tl.load(
+            mask_ptr + (rows // group)[:, None].to(tl.int64) * stride_mt
+            + column.to(tl.int64)[None, :] * stride_mk,
+            mask=(visible != 0) & inside[None, :],
+            other=0,
+        )  # fmt: skip
+        visible = visible * (flags != 0).to(tl.int8)
+    return visible
+
+
+@triton.jit
+def fresh_softmax(BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``(m, l, acc)`` of an online softmax that has seen no key yet."""
+    m_i = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    return m_i, l_i, tl.zeros((BLOCK_ROWS, BLOCK_V), dtype=tl.float32)
+
+
+@triton.jit
+def softmax_step(scores, visible, scale, softcap, m_i, l_i, acc):
+    """Scale, softcap and mask a tile of scores; one online-softmax step. Returns the weights
+    ``p`` of the tile and the updated ``(m, l)`` and rescaled accumulator."""
+    scores = scores * scale
+    if softcap > 0:
+        scaled = scores / softcap
+        scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scaled)) - 1.0)  # tanh
+    scores = tl.where(visible != 0, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+
+
+@triton.jit
+def store_partial(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, slot, row_mask, m_i, l_i, acc,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Write one stream's (m, l, acc) of the rows ``out_rows`` (row x split) to ``slot``."""
+    index = out_rows * 3 + slot
+    tl.store(part_m_ptr + index, m_i, mask=row_mask)
+    tl.store(part_l_ptr + index, l_i, mask=row_mask)
+    vcols = tl.arange(0, BLOCK_V)
+    acc_ptrs = part_acc_ptr + index[:, None].to(tl.int64) * BLOCK_V + vcols[None, :]
+    tl.store(acc_ptrs, acc, mask=row_mask[:, None])
+
+
+@triton.jit
 def attention_kernel(
     # query side, fp32, one row per (batch, KV head, position, head of the group)
     q_raw_ptr, q_main_ptr, q_sketch_ptr, q_band_ptr, mean_ptr, band_mean_ptr,
@@ -86,10 +155,11 @@ def attention_kernel(
     k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr, k_exact_ptr, k_centroids_ptr,
     # main values: codes and norm stream, or exact vectors
     v_codes_ptr, v_norms_ptr, v_exact_ptr, v_centroids_ptr,
-    # recent band: keys and values, codes and norm streams or exact vectors
+    # recent band: keys (codes and norm stream, or exact), values (codes, or exact vectors:
+    # the band's own or, for a layer whose values are exact, the main ones)
     bk_codes_ptr, bk_norms_ptr, bk_exact_ptr, bk_centroids_ptr,
     bv_codes_ptr, bv_norms_ptr, bv_exact_ptr, bv_centroids_ptr,
-    # exact sink keys and values [B, KV, n_sink_slots, d]
+    # exact sink keys [B, KV, n_sink_slots, d] and their values (the sink's or the main ones)
     sink_k_ptr, sink_v_ptr,
     # mask tensor (uint8 view of a bool tensor) and partial results
     mask_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -106,17 +176,19 @@ def attention_kernel(
     # main values
     v_exact, v_dim, v_bits, v_code_bytes, v_width, v_norm_bytes,
     stride_vcb, stride_vch, stride_vcs, stride_vnb, stride_vnh, stride_vxb, stride_vxh, stride_vxs,
-    # band (mode 0: none, 1: exact, 2: codes) and band values (0: none, 1: exact, 2: codes)
+    # band keys (mode 0: no band, 1: exact, 2: codes) and values (exact: 1, codes: 2)
     band_k_mode, band_v_mode, b_cap, bk_dim, bk_bits, bk_code_bytes, bk_width, bk_norm_bytes,
-    bv_dim, bv_bits, bv_code_bytes, bv_width, bv_norm_bytes,
+    bv_cap, bv_dim, bv_bits, bv_code_bytes, bv_width, bv_norm_bytes,
     stride_bkcb, stride_bkch, stride_bkcs, stride_bknb, stride_bknh,
     stride_bkxb, stride_bkxh, stride_bkxs,
     stride_bvcb, stride_bvch, stride_bvcs, stride_bvnb, stride_bvnh,
     stride_bvxb, stride_bvxh, stride_bvxs,
-    stride_sb, stride_sh, stride_ss, sink_values,
+    # sink keys and values: strides and the values' ring capacity
+    stride_skb, stride_skh, stride_sks, stride_svb, stride_svh, stride_svs, sv_cap,
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over one split of the keys for one block of rows; see the module doc."""
+    """Online softmax over one split of the keys for one block of rows, one loop per stream;
+    see the module doc."""
     pid_bh = tl.program_id(0)
     pid_rows = tl.program_id(1)
     pid_split = tl.program_id(2)
@@ -126,8 +198,9 @@ def attention_kernel(
     rows = pid_rows * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     q_rows = pid_bh.to(tl.int64) * n_rows + rows  # index into the query-side arrays
+    out_rows = q_rows * n_splits + pid_split  # index into the partial results
     positions = start + rows // group  # query position of each row
-    vcols = tl.arange(0, BLOCK_V)
+    mask_b = mask_ptr + b * stride_mb
 
     # keys this program reads: its split, cut to what the rows of the block can see
     last_row = tl.minimum(pid_rows * BLOCK_ROWS + BLOCK_ROWS, n_rows) - 1
@@ -139,8 +212,12 @@ def attention_kernel(
         k_end = tl.minimum(k_end, block_hi + 1)
         if window > 0:
             k_begin = tl.maximum(k_begin, block_lo - window + 1)
-    band_lo = tl.maximum(block_lo - band + 1, n_sink)  # first key a row may read from the band
 
+    # 1. the main stream: keys after the sink, pairs outside the band
+    main_lo = tl.maximum(k_begin, n_sink)
+    main_hi = k_end
+    if (causal != 0) & (band_k_mode > 0):  # later keys are in every row's band (or masked)
+        main_hi = tl.minimum(k_end, block_hi - band + 1)
     k_codes = k_codes_ptr + b * stride_kcb + kvh * stride_kch
     k_norms = k_norms_ptr + b * stride_knb + kvh * stride_knh
     k_signs = k_signs_ptr + b * stride_ksb + kvh * stride_ksh
@@ -149,30 +226,12 @@ def attention_kernel(
     v_codes = v_codes_ptr + b * stride_vcb + kvh * stride_vch
     v_norms = v_norms_ptr + b * stride_vnb + kvh * stride_vnh
     v_x = v_exact_ptr + b * stride_vxb + kvh * stride_vxh
-    bk_codes = bk_codes_ptr + b * stride_bkcb + kvh * stride_bkch
-    bk_norms = bk_norms_ptr + b * stride_bknb + kvh * stride_bknh
-    bk_x = bk_exact_ptr + b * stride_bkxb + kvh * stride_bkxh
-    bv_codes = bv_codes_ptr + b * stride_bvcb + kvh * stride_bvch
-    bv_norms = bv_norms_ptr + b * stride_bvnb + kvh * stride_bvnh
-    bv_x = bv_exact_ptr + b * stride_bvxb + kvh * stride_bvxh
-    sink_k = sink_k_ptr + b * stride_sb + kvh * stride_sh
-    sink_v = sink_v_ptr + b * stride_sb + kvh * stride_sh
-
     mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0)  # <q, mu> (zeros: no mean)
-    band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0)
-
-    m_i = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-    acc_main = tl.zeros((BLOCK_ROWS, BLOCK_V), dtype=tl.float32)
-    acc_band = tl.zeros((BLOCK_ROWS, BLOCK_V), dtype=tl.float32)
-    acc_exact = tl.zeros((BLOCK_ROWS, BLOCK_V), dtype=tl.float32)
-
-    for tile in range(k_begin, k_end, BLOCK_S):
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
+    for tile in range(main_lo, main_hi, BLOCK_S):
         keys = tile + tl.arange(0, BLOCK_S)
-        in_range = keys < k_end
+        in_range = keys < main_hi
         slots = keys % k_cap
-
-        # 1. scores from the main stream
         if k_exact != 0:
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, k_x, slots, stride_kxs, in_range,
@@ -192,148 +251,132 @@ def attention_kernel(
                 )  # fmt: skip
                 scores += qjl * (rnorms * k_qjl_scale)[None, :]
             scores += mean[:, None]
-
-        # 2. the substitution: band pairs read the band, sink keys the exact sink
-        is_sink = keys < n_sink
-        in_band = (  # empty when band == 0
-            (keys[None, :] > positions[:, None] - band)
-            & (keys[None, :] <= positions[:, None])
-            & (keys[None, :] >= n_sink)
-        )
-        tile_band = (band_k_mode > 0) & (tile + BLOCK_S > band_lo) & (tile <= block_hi)
-        if tile_band:
-            band_slots = keys % b_cap
-            band_keys = in_range & (keys >= band_lo)
-            if band_k_mode == 2:
-                band_norms = load_norms(bk_norms, band_slots, bk_width, band_keys, bk_norm_bytes)
-                band_scores = code_scores(
-                    q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, band_slots, stride_bkcs,
-                    band_keys, bk_bits, bk_code_bytes, bk_centroids_ptr, BLOCK_ROWS, BLOCK_S,
-                    CHUNK,
-                ) * band_norms[None, :] + band_mean[:, None]  # fmt: skip
-            else:
-                band_scores = exact_scores(
-                    q_raw_ptr, q_rows, row_mask, head_dim, bk_x, band_slots, stride_bkxs,
-                    band_keys, BLOCK_ROWS, BLOCK_S, CHUNK,
-                )  # fmt: skip
-            scores = tl.where(in_band, band_scores, scores)
-        tile_sink = tile < n_sink
-        if tile_sink:
-            sink_scores = exact_scores(
-                q_raw_ptr, q_rows, row_mask, head_dim, sink_k, keys, stride_ss,
-                in_range & is_sink, BLOCK_ROWS, BLOCK_S, CHUNK,
-            )  # fmt: skip
-            scores = tl.where(is_sink[None, :], sink_scores, scores)
-
-        # 3. scale, softcap, mask, online softmax
-        scores = scores * scale
-        if softcap > 0:
-            scaled = scores / softcap
-            scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scaled)) - 1.0)  # tanh
-        # visibility as int8: a boolean tensor must not leave an `if` (no 1-bit shared memory)
-        visible = (row_mask[:, None] & in_range[None, :]).to(tl.int8)
-        if causal != 0:
-            visible = visible * (keys[None, :] <= positions[:, None]).to(tl.int8)
-            if window > 0:
-                visible = visible * (keys[None, :] > positions[:, None] - window).to(tl.int8)
-        if has_mask != 0:
-            column = keys - mask_offset
-            inside = (column >= 0) & (column < mask_len)
-            flags = tl.load(
-                mask_ptr + b * stride_mb + (rows // group)[:, None].to(tl.int64) * stride_mt
-                + column.to(tl.int64)[None, :] * stride_mk,
-                mask=(visible != 0) & inside[None, :],
-                other=0,
-            )  # fmt: skip
-            visible = visible * (flags != 0).to(tl.int8)
-        scores = tl.where(visible != 0, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc_main = acc_main * alpha[:, None]
-        acc_band = acc_band * alpha[:, None]
-        acc_exact = acc_exact * alpha[:, None]
-        m_i = m_new
-
-        # 4. values: main pairs, band pairs, sink keys
-        if v_exact != 0:  # exact values: every pair reads them
+        visible = visible_pairs(
+            keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
+            stride_mt, stride_mk, mask_len, mask_offset,
+        )  # fmt: skip
+        if band_k_mode > 0:  # band pairs are read from the band
+            before_band = keys[None, :] <= positions[:, None] - band
+            visible = visible * (before_band | (keys[None, :] > positions[:, None])).to(tl.int8)
+        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
+        if v_exact != 0:
             v_tile = exact_values(v_x, slots, stride_vxs, in_range, head_dim, BLOCK_V)
-            acc_main += tl.dot(p, v_tile, input_precision="ieee")
         else:
-            weights = p
-            if band_v_mode > 0:
-                weights = tl.where(in_band, 0.0, weights)
-            if sink_values != 0:
-                weights = tl.where(is_sink[None, :], 0.0, weights)
             v_norms_tile = load_norms(v_norms, slots, v_width, in_range, v_norm_bytes)
             v_tile = code_values(
                 v_codes, slots, stride_vcs, in_range, v_bits, v_code_bytes, v_centroids_ptr,
                 v_dim, v_norms_tile, BLOCK_V,
             )  # fmt: skip
-            acc_main += tl.dot(weights, v_tile, input_precision="ieee")
-            if tile_band & (band_v_mode > 0):
-                band_slots = keys % b_cap
-                band_keys = in_range & (keys >= band_lo)
-                band_weights = tl.where(in_band, p, 0.0)
-                if band_v_mode == 2:
-                    bv_norms_tile = load_norms(
-                        bv_norms, band_slots, bv_width, band_keys, bv_norm_bytes
-                    )
-                    bv_tile = code_values(
-                        bv_codes, band_slots, stride_bvcs, band_keys, bv_bits, bv_code_bytes,
-                        bv_centroids_ptr, bv_dim, bv_norms_tile, BLOCK_V,
-                    )  # fmt: skip
-                    acc_band += tl.dot(band_weights, bv_tile, input_precision="ieee")
-                else:
-                    bv_tile = exact_values(
-                        bv_x, band_slots, stride_bvxs, band_keys, head_dim, BLOCK_V
-                    )
-                    acc_exact += tl.dot(band_weights, bv_tile, input_precision="ieee")
-            if tile_sink & (sink_values != 0):
-                sink_tile = exact_values(
-                    sink_v, keys, stride_ss, in_range & is_sink, head_dim, BLOCK_V
-                )
-                sink_weights = tl.where(is_sink[None, :], p, 0.0)
-                acc_exact += tl.dot(sink_weights, sink_tile, input_precision="ieee")
+        acc += tl.dot(p, v_tile, input_precision="ieee")
+    store_partial(
+        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 0, row_mask, m_i, l_i, acc, BLOCK_V
+    )
 
-    out_rows = q_rows * n_splits + pid_split
-    tl.store(part_m_ptr + out_rows, m_i, mask=row_mask)
-    tl.store(part_l_ptr + out_rows, l_i, mask=row_mask)
-    acc_ptrs = part_acc_ptr + out_rows[:, None] * (3 * BLOCK_V) + vcols[None, :]
-    tl.store(acc_ptrs, acc_main, mask=row_mask[:, None])
-    tl.store(acc_ptrs + BLOCK_V, acc_band, mask=row_mask[:, None])
-    tl.store(acc_ptrs + 2 * BLOCK_V, acc_exact, mask=row_mask[:, None])
+    # 2. the recent band: keys i - band < j <= i after the sink
+    band_lo = tl.maximum(tl.maximum(k_begin, block_lo - band + 1), n_sink)
+    band_hi = tl.minimum(k_end, block_hi + 1)
+    if band_k_mode == 0:
+        band_hi = band_lo  # no band: an empty loop
+    bk_codes = bk_codes_ptr + b * stride_bkcb + kvh * stride_bkch
+    bk_norms = bk_norms_ptr + b * stride_bknb + kvh * stride_bknh
+    bk_x = bk_exact_ptr + b * stride_bkxb + kvh * stride_bkxh
+    bv_codes = bv_codes_ptr + b * stride_bvcb + kvh * stride_bvch
+    bv_norms = bv_norms_ptr + b * stride_bvnb + kvh * stride_bvnh
+    bv_x = bv_exact_ptr + b * stride_bvxb + kvh * stride_bvxh
+    band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
+    for tile in range(band_lo, band_hi, BLOCK_S):
+        keys = tile + tl.arange(0, BLOCK_S)
+        in_range = keys < band_hi
+        slots = keys % b_cap
+        if band_k_mode == 2:
+            norms = load_norms(bk_norms, slots, bk_width, in_range, bk_norm_bytes)
+            scores = code_scores(
+                q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, in_range,
+                bk_bits, bk_code_bytes, bk_centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
+            ) * norms[None, :] + band_mean[:, None]  # fmt: skip
+        else:
+            scores = exact_scores(
+                q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, in_range,
+                BLOCK_ROWS, BLOCK_S, CHUNK,
+            )  # fmt: skip
+        visible = visible_pairs(
+            keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
+            stride_mt, stride_mk, mask_len, mask_offset,
+        )  # fmt: skip
+        after_band_start = keys[None, :] > positions[:, None] - band
+        visible = visible * (after_band_start & (keys[None, :] <= positions[:, None])).to(tl.int8)
+        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
+        if band_v_mode == 2:
+            v_norms_tile = load_norms(bv_norms, slots, bv_width, in_range, bv_norm_bytes)
+            v_tile = code_values(
+                bv_codes, slots, stride_bvcs, in_range, bv_bits, bv_code_bytes, bv_centroids_ptr,
+                bv_dim, v_norms_tile, BLOCK_V,
+            )  # fmt: skip
+        else:
+            v_tile = exact_values(bv_x, keys % bv_cap, stride_bvxs, in_range, head_dim, BLOCK_V)
+        acc += tl.dot(p, v_tile, input_precision="ieee")
+    store_partial(
+        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 1, row_mask, m_i, l_i, acc, BLOCK_V
+    )
+
+    # 3. the sink: keys j < n_sink, exact
+    sink_hi = tl.minimum(k_end, n_sink)
+    sink_k = sink_k_ptr + b * stride_skb + kvh * stride_skh
+    sink_v = sink_v_ptr + b * stride_svb + kvh * stride_svh
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
+    for tile in range(k_begin, sink_hi, BLOCK_S):
+        keys = tile + tl.arange(0, BLOCK_S)
+        in_range = keys < sink_hi
+        scores = exact_scores(
+            q_raw_ptr, q_rows, row_mask, head_dim, sink_k, keys, stride_sks, in_range,
+            BLOCK_ROWS, BLOCK_S, CHUNK,
+        )  # fmt: skip
+        visible = visible_pairs(
+            keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
+            stride_mt, stride_mk, mask_len, mask_offset,
+        )  # fmt: skip
+        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
+        v_tile = exact_values(sink_v, keys % sv_cap, stride_svs, in_range, head_dim, BLOCK_V)
+        acc += tl.dot(p, v_tile, input_precision="ieee")
+    store_partial(
+        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 2, row_mask, m_i, l_i, acc, BLOCK_V
+    )
 
 
 @triton.jit
 def reduce_kernel(
-    part_m_ptr,  # fp32 [rows, n_splits]
-    part_l_ptr,  # fp32 [rows, n_splits]
-    part_acc_ptr,  # fp32 [rows, n_splits, width]
-    out_ptr,  # fp32 [rows, width]
+    part_m_ptr,  # fp32 [rows, n_splits, 3]
+    part_l_ptr,  # fp32 [rows, n_splits, 3]
+    part_acc_ptr,  # fp32 [rows, n_splits, 3, width]
+    out_ptr,  # fp32 [rows, 3, width]
     n_splits,
     width,
     BLOCK: tl.constexpr,
 ):
-    """Merge the splits of one row, BLOCK columns per program: out = sum_s w_s acc_s /
-    sum_s w_s l_s with w_s = e^(m_s - M); zeros for a row that saw no key."""
+    """Merge the splits and streams of one row, BLOCK columns of one slot per program:
+    ``out_t = sum_s w_st acc_st / sum_st w_st l_st`` with ``w_st = e^(m_st - M)``; zeros for a
+    row that saw no key."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < width
+    parts = n_splits * 3
 
-    m_max = tl.load(part_m_ptr + row * n_splits)
-    for s in range(1, n_splits):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + row * n_splits + s))
+    m_max = tl.load(part_m_ptr + row * parts)
+    for s in range(1, parts):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + row * parts + s))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
 
     total = 0.0
+    for s in range(0, parts):
+        weight = tl.exp(tl.load(part_m_ptr + row * parts + s) - m_safe)
+        total += weight * tl.load(part_l_ptr + row * parts + s)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, n_splits):
-        weight = tl.exp(tl.load(part_m_ptr + row * n_splits + s) - m_safe)
-        total += weight * tl.load(part_l_ptr + row * n_splits + s)
-        part = tl.load(part_acc_ptr + (row * n_splits + s) * width + cols, mask=col_mask, other=0.0)
+    for split in range(0, n_splits):
+        s = split * 3 + slot
+        weight = tl.exp(tl.load(part_m_ptr + row * parts + s) - m_safe)
+        part = tl.load(part_acc_ptr + (row * parts + s) * width + cols, mask=col_mask, other=0.0)
         acc += weight * part
     out = tl.where(total > 0.0, acc / tl.maximum(total, 1e-30), 0.0)
-    tl.store(out_ptr + row * width + cols, out, mask=col_mask)
+    tl.store(out_ptr + (row * 3 + slot) * width + cols, out, mask=col_mask)
