@@ -228,6 +228,21 @@ def test_a_state_the_kernel_cannot_serve_is_refused(rng):
         kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")
     # the torch implementation serves it
     assert torch.isfinite(kernels.attention(layer.state(), q, mask, scale=0.1)).all()
+    # band or sink pairs without their own values read coded main values: torch only
+    keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
+    layer = CompressedLayer(0, keys, values, n_sink=1, recent_window=4)
+    layer.active = True
+    layer.update(torch.randn(1, 1, 9, d), torch.randn(1, 1, 9, d))
+    mask = CausalMask(1, 0, 9, 0, 9)
+    q = torch.randn(1, 2, 9, d)
+    for missing, message in (
+        ("band_values", "without band values"),
+        ("sink_values", "without sink"),
+    ):
+        state = dataclasses.replace(layer.state(), **{missing: None})
+        with pytest.raises(ValueError, match=message):
+            kernels.attention(state, q, mask, scale=0.1, backend="triton")
+        assert torch.isfinite(kernels.attention(state, q, mask, scale=0.1)).all()
     with pytest.raises(ValueError, match="head_dim 32 has no kernel"):
         kernels.check_layer(codec(("turboquant-mse", 3, {}), 32, rng), None)
 

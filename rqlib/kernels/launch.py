@@ -268,18 +268,14 @@ def attention(
     # a layer whose values are exact has no band or sink values: those pairs read the main ones
     main_exact_values = (v_ptrs[4], v_sizes[1], v_strides[10:13])
     bv_exact, bv_cap, bv_exact_strides = bv_ptrs[4], max(bv_sizes[1], 1), bv_strides[10:13]
-    if band_k_mode > 0 and band_v_mode == 0:
-        if not values.is_exact:
-            raise ValueError("a recent band of keys needs band values when values are codes")
+    if band_k_mode > 0 and band_v_mode == 0:  # exact values (limits.check_state)
         bv_exact, bv_cap, bv_exact_strides = main_exact_values
     sink_k = state.sink_keys if state.sink_keys is not None else _dummy(device, exact_dtype)
     sink_k_strides = sink_k.stride()[:3] if state.sink_keys is not None else (0, 0, 0)
     if state.sink_values is not None:
         sink_v, sv_cap = state.sink_values, state.sink_values.shape[2]
         sink_v_strides = state.sink_values.stride()[:3]
-    elif state.n_sink and not values.is_exact:
-        raise ValueError("a sink needs sink values when values are codes")
-    elif state.n_sink:
+    elif state.n_sink:  # exact values (limits.check_state)
         sink_v, sv_cap, sink_v_strides = main_exact_values
     else:
         sink_v, sv_cap, sink_v_strides = sink_k, 1, (0, 0, 0)

@@ -206,3 +206,12 @@ def check_state(state) -> None:
                     f"exact vectors of dtype {stream.exact.dtype} have no kernel; supported "
                     f"{SUPPORTED_EXACT_DTYPES}"
                 )
+    # band and sink pairs whose own values are missing read the main values; the kernel does
+    # that only for exact ones (a layer whose values are codes stores both, see rqlib.hf.cache)
+    if not state.values.is_exact:
+        if state.band_keys is not None and state.band_values is None:
+            raise ValueError(
+                "a recent band of keys without band values has no kernel when the values are codes"
+            )
+        if state.n_sink and state.sink_values is None:
+            raise ValueError("a sink without sink values has no kernel when the values are codes")
