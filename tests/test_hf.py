@@ -152,8 +152,7 @@ def test_left_padded_batch_matches_sdpa(kind, rng):
 def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng):
     # The band is relative to each query, so feeding the tokens in chunks (as decoding does)
     # must give the same logits as one prefill, whether the band is exact or kept as codes.
-    # fp64 makes the keys of both runs equal to ~1e-15, far below the quantizer's fp32
-    # resolution, so no code flips between the runs.
+    # fp64 makes the keys of both runs equal to ~1e-15.
     model = tiny_model(kind, seed_of(rng), dtype=torch.float64)
     ids = random_ids(rng, 1, 20)
     spec = "turboquant-mse:k2:v3:sink1:win4" + band
@@ -165,10 +164,14 @@ def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng):
             for position in range(13, 20):
                 parts.append(model(ids[:, position : position + 1], cache=cache).logits)
     chunked = torch.cat(parts, dim=1)
-    # fp32 inside the attention: differences of order 1e-6 relative
-    assert (chunked - whole).abs().max().item() <= 1e-4
-    # ...and the compression is really on: far from the exact model
-    assert (whole - model(ids).logits).abs().max().item() > 1e-3
+    effect = (whole - model(ids).logits).abs().max().item()
+    assert effect > 1e-3  # the compression is really on: far from the exact model
+    # Agreement to 1% of the compression's own effect. Most draws agree to ~1e-7, but the
+    # quantizer rotates 20 keys at once, or 13 and then 1, in fp32: a coordinate within that
+    # rounding of a decision boundary can take the neighbouring code in one run (one draw in
+    # about 40: 4.4e-4, 1/600 of the effect, at the queries that read that key). A band placed
+    # relative to the chunk instead of each query moves the logits by 60-100% of the effect.
+    assert (chunked - whole).abs().max().item() <= 1e-2 * effect
 
 
 def _reference_attention(

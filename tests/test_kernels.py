@@ -16,6 +16,7 @@ the same 1e-5 applies.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 
@@ -263,8 +264,30 @@ def test_aot_list_covers_every_accumulator_width():
     from rqlib.kernels.aot import specializations
 
     listed = {
-        (s.constexprs["BLOCK_V"], s.pointers["v_exact_ptr"])
+        (
+            s.constexprs["BLOCK_V"],
+            s.pointers["v_exact_ptr"],
+            s.constexprs["BAND_KEY_CODES"],
+            s.constexprs["BAND_VALUE_CODES"],
+        )
         for s in specializations()
         if s.kernel == "attention_kernel"
     }
-    assert listed == {(w, dtype) for w in widths for dtype in ("fp32", "fp16", "bf16")}
+    dtypes, flags = ("fp32", "fp16", "bf16"), (False, True)
+    assert listed == set(itertools.product(widths, dtypes, flags, flags))
+
+
+@pytest.mark.parametrize(
+    ("width", "block", "blocks"),
+    [(64, 64, 1), (96, 128, 1), (129, 256, 1), (256, 256, 1), (258, 256, 2), (512, 256, 2)],
+)
+def test_wide_accumulators_are_cut_into_blocks_of_256_columns(width, block, blocks):
+    """A program's accumulator has at most 256 columns (wider ones spill registers): a rotor's
+    258 value columns at head_dim 256 take two programs."""
+    assert (geo.value_block(width), geo.value_blocks(width)) == (block, blocks)
+    assert geo.accumulator_width(width) == block * blocks >= width
+
+
+def test_value_widths_beyond_the_kernel_are_refused():
+    with pytest.raises(ValueError, match="value width 513 has no kernel"):
+        geo.value_block(513)

@@ -133,7 +133,7 @@ def split_examples(
 
     quantizer = make_quantizer("turboquant-mse", head_dim, bits, norm_mantissa_bits=6)
     key_bytes = 2 * quantizer.bits_per_vector / 8  # K and V per key position and KV head
-    partial = geo.partial_bytes(group, geo.value_block(head_dim))
+    partial = geo.partial_bytes(group, geo.accumulator_width(head_dim))
 
     def plan(span: int, sequences: int) -> tuple[int, int]:
         return geo.decode_splits(span, sequences * kv_heads, H100_SMS, partial, key_bytes)

@@ -46,6 +46,8 @@ class Specialization:
     pointers: dict = field(default_factory=dict)  # argument -> element type; default fp32
     ones: tuple[str, ...] = ()
     num_warps: int = geo.NUM_WARPS
+    num_stages: int | None = None  # None: Triton's default
+    maxnreg: int | None = None  # registers per thread at most; None: ptxas chooses
 
     @property
     def label(self) -> str:
@@ -65,8 +67,11 @@ SCORES_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.SCORES_BLOCK_S, "CHU
 ATTENTION_TILE = {
     "BLOCK_ROWS": geo.BLOCK_ROWS,
     "BLOCK_S": geo.ATTENTION_BLOCK_S,
-    "CHUNK": geo.CHUNK,
+    "CHUNK": geo.ATTENTION_CHUNK,
 }
+#: the recent band's (key, value) formats as codes: none or exact, keys only (values exact),
+#: both; exact keys with coded values are compiled too, which the cache never builds
+BAND_CODES = ((False, False), (True, False), (True, True), (False, True))
 #: uint8 buffers of the attention kernel (codes, norm streams, signs, the mask)
 ATTENTION_BYTES = (
     "k_codes_ptr k_norms_ptr k_signs_ptr k_rnorms_ptr v_codes_ptr v_norms_ptr bk_codes_ptr "
@@ -100,9 +105,22 @@ def specializations() -> list[Specialization]:
         pointers = {name: "u8" for name in ATTENTION_BYTES}
         pointers.update({name: TRITON_DTYPES[dtype] for name in ATTENTION_EXACT})
         for block in sorted(attention_blocks()):
-            specs.append(
-                Specialization("attention_kernel", {"BLOCK_V": block, **ATTENTION_TILE}, pointers)
-            )
+            for band_keys, band_values in BAND_CODES:
+                constexprs = {
+                    "BAND_KEY_CODES": band_keys,
+                    "BAND_VALUE_CODES": band_values,
+                    "BLOCK_V": block,
+                    **ATTENTION_TILE,
+                }
+                specs.append(
+                    Specialization(
+                        "attention_kernel",
+                        constexprs,
+                        pointers,
+                        num_stages=geo.ATTENTION_NUM_STAGES,
+                        maxnreg=geo.ATTENTION_MAX_REGISTERS,
+                    )
+                )
     specs.append(
         Specialization("reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS)
     )
@@ -213,9 +231,12 @@ def compile_kernel(kernel, spec: Specialization, arch: int):
 
     constexprs = {**spec.constexprs, **{name: 1 for name in spec.ones}}
     source = ASTSource(fn=kernel, signature=signature(kernel, spec), constexprs=constexprs)
-    return triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": spec.num_warps}
-    )
+    options = {"num_warps": spec.num_warps}
+    if spec.num_stages is not None:
+        options["num_stages"] = spec.num_stages
+    if spec.maxnreg is not None:
+        options["maxnreg"] = spec.maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def compile_one(kernel, spec: Specialization, arch: int) -> dict:

@@ -197,7 +197,7 @@ def _sm_count(device_type: str, index: int | None) -> int | None:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
-def split_plan(state, span: int, batch: int, rows: int, block_v: int, device, partition):
+def split_plan(state, span: int, batch: int, rows: int, acc_width: int, device, partition):
     """``(splits, partition)`` of a decode step (one block of ``rows`` rows) over ``span`` keys:
     at most ``partition`` keys per split when given, else chosen from the device's SM count and
     the layer's bytes per key (:func:`rqlib.kernels.limits.decode_splits`)."""
@@ -207,7 +207,7 @@ def split_plan(state, span: int, batch: int, rows: int, block_v: int, device, pa
     kv_heads = state.keys.rings[0].heads
     key_bytes = sum(ring.bytes_per_token() for s in (state.keys, state.values) for ring in s.rings)
     sm_count = _sm_count(device.type, device.index)
-    partial = geo.partial_bytes(rows, block_v)
+    partial = geo.partial_bytes(rows, acc_width)
     return geo.decode_splits(span, batch * kv_heads, sm_count, partial, key_bytes)
 
 
@@ -285,66 +285,73 @@ def attention(
 
     v_dim = head_dim if values.is_exact else values.parts[0].quantizer.rotated_dim
     bv_dim = bv_sizes[2]
-    block_v = geo.value_block(max(head_dim, v_dim, bv_dim))
+    value_width = max(head_dim, v_dim, bv_dim)
+    block_v, value_blocks = geo.value_block(value_width), geo.value_blocks(value_width)
+    acc_width = block_v * value_blocks
     first = state.first
     if causal and window:
         first = max(first, state.start - window + 1)
     n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
     span = state.end - first
     if n_row_blocks == 1:
-        n_splits, partition = split_plan(state, span, batch, n_rows, block_v, device, partition)
+        n_splits, partition = split_plan(state, span, batch, n_rows, acc_width, device, partition)
     else:  # a prompt: its row blocks provide the parallelism, one split each
         n_splits, partition = geo.even_partition(span, 1)
 
     total_rows = batch * kv_heads * n_rows
     part_m = empty((total_rows, n_splits, 3), torch.float32, device)
     part_l = empty((total_rows, n_splits, 3), torch.float32, device)
-    part_acc = empty((total_rows, n_splits, 3, block_v), torch.float32, device)
-    attention_kernel[(batch * kv_heads, n_row_blocks, n_splits)](
+    part_acc = empty((total_rows, n_splits, 3, acc_width), torch.float32, device)
+    attention_kernel[(batch * kv_heads, n_row_blocks, n_splits * value_blocks)](
         rows, q_main, q_sketch, q_band, mean, band_mean,
         *k_ptrs, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
         bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_ptrs[5],
         bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
         sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
         kv_heads, group, n_rows, head_dim, state.start, first, state.end, n_splits, partition,
-        first, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
+        first, value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len,
+        mask_offset,
         *mask_strides, float(scale), float(softcap or 0.0),
         *k_sizes,
         *k_strides,
         v_sizes[0], v_dim, v_sizes[3], v_sizes[4], v_sizes[8], v_sizes[9],
         *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
-        band_k_mode, band_v_mode, max(bk_sizes[1], 1), bk_sizes[2], bk_sizes[3], bk_sizes[4],
+        band_k_mode, max(bk_sizes[1], 1), bk_sizes[2], bk_sizes[3], bk_sizes[4],
         bk_sizes[8], bk_sizes[9],
         bv_cap, bv_dim, bv_sizes[3], bv_sizes[4], bv_sizes[8], bv_sizes[9],
         *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
         *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
         *sink_k_strides, *sink_v_strides, sv_cap,
+        BAND_KEY_CODES=band_k_mode == 2,
+        BAND_VALUE_CODES=band_v_mode == 2,
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
-        CHUNK=geo.CHUNK,
+        CHUNK=geo.ATTENTION_CHUNK,
         num_warps=geo.NUM_WARPS,
+        num_stages=geo.ATTENTION_NUM_STAGES,
+        maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )  # fmt: skip
-    reduced = empty((total_rows, 3, block_v), torch.float32, device)
-    reduce_kernel[(total_rows, 3, math.ceil(block_v / geo.REDUCE_BLOCK))](
+    reduced = empty((total_rows, 3, acc_width), torch.float32, device)
+    reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
         part_m,
         part_l,
         part_acc,
         reduced,
         n_splits,
-        block_v,
+        acc_width,
         BLOCK=geo.REDUCE_BLOCK,
         num_warps=geo.REDUCE_NUM_WARPS,
     )
-    reduced = reduced.reshape(batch, kv_heads, n_rows, 3 * block_v)
+    reduced = reduced.reshape(batch, kv_heads, n_rows, 3 * acc_width)
     out = _rotate_back(values, reduced[..., :v_dim], device)
     if band_v_mode == 2:  # slot 1: the band, in its value quantizer's rotated space
         band_matrix = state.band_values.parts[0].quantizer.rotation.matrix.to(device)
-        out = out + reduced[..., block_v : block_v + bv_dim] @ band_matrix
+        out = out + reduced[..., acc_width : acc_width + bv_dim] @ band_matrix
     elif band_k_mode > 0:  # slot 1: the band's exact values (or the main ones)
-        out = out + reduced[..., block_v : block_v + head_dim]
+        out = out + reduced[..., acc_width : acc_width + head_dim]
     if state.n_sink:  # slot 2: the sink, exact
-        out = out + reduced[..., 2 * block_v : 2 * block_v + head_dim]
+        out = out + reduced[..., 2 * acc_width : 2 * acc_width + head_dim]
     out = out.reshape(batch, kv_heads, length, group, head_dim).transpose(2, 3)
     return out.reshape(batch, q_heads, length, head_dim)
 

@@ -11,7 +11,8 @@ enumerable set.
 Design: the head dimension d, the rotated dimension D, the sketch dimension m, the code width b,
 the norm width and which streams a layer has (exact or coded keys, values and band; QJL; a
 sink) are *runtime* arguments of the kernels, so they add no specializations; only the width of
-the attention accumulators (``BLOCK_V``) and the dtype of the exact vectors are compile-time.
+the attention accumulators (``BLOCK_V``), the dtype of the exact vectors and whether the recent
+band's keys and values are codes are compile-time.
 """
 
 from __future__ import annotations
@@ -29,25 +30,30 @@ SUPPORTED_QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_EXACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Tile sizes; tl.dot needs every block dimension >= 16 on a GPU.
-CHUNK = 32  # coordinates per inner step (codes, signs, exact keys)
+CHUNK = 32  # coordinates per inner step (codes, signs, exact keys) of scores and quantize
+ATTENTION_CHUNK = 16  # the same in the attention kernel, where registers are scarcer
 SCORES_BLOCK_S = 32  # keys per fused_scores tile
 ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)
 BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
 BLOCK_N = 16  # vectors per quantize program
 NUM_WARPS = 8  # scores, attention and quantize kernels
+ATTENTION_NUM_STAGES = 1  # no software pipelining: its prefetched tiles spill on sm_80
+ATTENTION_MAX_REGISTERS = 255  # ptxas would cap a narrow tile at 128 (two blocks an SM) and
+# spill; the attention kernel takes the registers it needs instead (one block an SM)
 REDUCE_NUM_WARPS = 4
 REDUCE_BLOCK = 128  # accumulator columns per reduce program
 DEFAULT_PARTITION = 512  # keys per split of a decode step when the SM count is unknown
 SPLIT_WAVES = 2  # a decode step launches enough splits for this many programs per SM
 MAX_PARTIAL_SHARE = 0.25  # a split's partial results cost at most this share of what it reads
-VALUE_BLOCKS = (64, 128, 256, 512)  # accumulator widths (next power of two >= 64)
+VALUE_BLOCKS = (64, 128, 256)  # accumulator widths per program (next power of two >= 64)
+MAX_VALUE_WIDTH = 512  # wider value vectors have no kernel
 
 
-def partial_bytes(rows: int, block_v: int) -> int:
+def partial_bytes(rows: int, acc_width: int) -> int:
     """Bytes of one split's partial results for ``rows`` query rows: ``m``, ``l`` and an
-    accumulator of ``block_v`` floats per row for each of the three streams (main, band, sink),
-    written by the split and read back by the reduce."""
-    return 2 * rows * 3 * (2 + block_v) * 4
+    accumulator of ``acc_width`` floats per row for each of the three streams (main, band,
+    sink), written by the split and read back by the reduce."""
+    return 2 * rows * 3 * (2 + acc_width) * 4
 
 
 def even_partition(span: int, splits: int) -> tuple[int, int]:
@@ -92,11 +98,22 @@ def decode_splits(
 
 
 def value_block(width: int) -> int:
-    """The accumulator width for ``width`` value coordinates (a power of two >= 64)."""
-    for block in VALUE_BLOCKS:
-        if width <= block:
-            return block
-    raise ValueError(f"value width {width} exceeds the largest accumulator {VALUE_BLOCKS[-1]}")
+    """The accumulator width of one program for ``width`` value coordinates (a power of two
+    >= 64, at most ``VALUE_BLOCKS[-1]``: wider accumulators are cut, see
+    :func:`value_blocks`)."""
+    if not 1 <= width <= MAX_VALUE_WIDTH:
+        raise ValueError(f"value width {width} has no kernel; supported: 1..{MAX_VALUE_WIDTH}")
+    return next((block for block in VALUE_BLOCKS if width <= block), VALUE_BLOCKS[-1])
+
+
+def value_blocks(width: int) -> int:
+    """How many programs of :func:`value_block` columns cover ``width`` value coordinates."""
+    return math.ceil(width / value_block(width))
+
+
+def accumulator_width(width: int) -> int:
+    """Columns of a row's accumulator (over all its value blocks) for ``width`` coordinates."""
+    return value_block(width) * value_blocks(width)
 
 
 def rotated_dims(head_dim: int) -> set[int]:

@@ -1,9 +1,10 @@
 """Triton kernels: attention over one layer of the compressed cache, fused (split + reduce).
 
 ``attention_kernel``: one program per (batch, KV head, block of BLOCK_ROWS query rows, split of
-the keys). A row is a (query position, query head of the GQA group) pair, so a key tile is
-decoded once for the whole group and any group size is served (a group of 40 heads is three row
-blocks). A pair (row ``i``, key ``j``) reads exactly one of three streams:
+the keys, block of BLOCK_V value columns). A row is a (query position, query head of the GQA
+group) pair, so a key tile is decoded once for the whole group and any group size is served (a
+group of 40 heads is three row blocks). A pair (row ``i``, key ``j``) reads exactly one of
+three streams:
 
 - the **sink** when ``j < n_sink``: exact keys and values;
 - the **recent band** when ``i - band < j <= i`` (and ``j`` is not a sink key): the band's codes,
@@ -20,6 +21,16 @@ and the values weighted in place: codes accumulate ``p ||v|| c[codes]`` in the v
 rotated space, exact vectors in the model's coordinates. Nothing is ever decoded to a value
 vector per key; the rotations back happen once per query after the reduce.
 
+The kernel is shaped so that no specialization spills registers (``tests/test_kernels_aot.py``
+compiles each for sm_80 and sm_90): a run-time branch inside a loop keeps the registers of both
+sides live, so the mask, the window and the softcap are selected arithmetically, and the band's
+formats (codes or exact) are compile-time; the main stream's formats stay run-time branches.
+Accumulators wider than 256 columns (a rotor's padded width at head_dim 256) are cut into blocks
+of BLOCK_V columns, one program each, which recompute the same scores. The loops are not
+software-pipelined (``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And
+a thread may take up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap
+a 64-column tile at 128 to fit two blocks an SM, and spill.
+
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
 2 sink). ``reduce_kernel`` merges every split and slot of a row: ``M = max m``, ``L = sum
 e^(m - M) l``, and per slot ``out_t = sum_s e^(m_st - M) acc_st / L``: a slot is a part of the
@@ -32,8 +43,8 @@ that evicts old tokens) are read the same way.
 
 Bytes read per key and KV head in a decode step, head_dim 128, 3-bit keys and values, 11-bit
 norms: 2 * (48 + 1.375) = 98.75 bytes, against 512 for fp16 keys and values; the sink and band
-tokens add a constant per step, and the partial results ``3 * (2 + BLOCK_V)`` floats per row and
-split.
+tokens add a constant per step, and the partial results ``3 * (2 + width)`` floats per row and
+split (``width``: the accumulator's columns over all value blocks).
 """
 
 from __future__ import annotations
@@ -62,11 +73,12 @@ def load_norms(row_ptr, slots, width, valid, nbytes):
 
 @triton.jit
 def code_values(
-    codes_ptr, slots, stride_s, key_mask, bits, code_bytes, centroids_ptr, width, norms,
+    codes_ptr, slots, stride_s, key_mask, bits, code_bytes, centroids_ptr, width, norms, col0,
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """``||v|| c[codes]`` of the keys' slots, ``[BLOCK_S, BLOCK_V]`` (rotated space)."""
-    cols = tl.arange(0, BLOCK_V)
+    """``||v|| c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
+    ``[BLOCK_S, BLOCK_V]``."""
+    cols = col0 + tl.arange(0, BLOCK_V)
     v_mask = key_mask[:, None] & (cols < width)[None, :]
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     codes = load_codes(rows_ptr, cols, v_mask, bits, code_bytes)
@@ -74,12 +86,21 @@ def code_values(
 
 
 @triton.jit
-def exact_values(x_ptr, slots, stride_s, key_mask, width, BLOCK_V: tl.constexpr):
-    """Exact value vectors of the keys' slots, ``[BLOCK_S, BLOCK_V]`` float32."""
-    cols = tl.arange(0, BLOCK_V)
+def exact_values(x_ptr, slots, stride_s, key_mask, width, col0, BLOCK_V: tl.constexpr):
+    """Columns ``col0 ..`` of the exact value vectors of the keys' slots, ``[BLOCK_S, BLOCK_V]``
+    float32."""
+    cols = col0 + tl.arange(0, BLOCK_V)
     v_mask = key_mask[:, None] & (cols < width)[None, :]
     rows_ptr = x_ptr + slots.to(tl.int64)[:, None] * stride_s
     return tl.load(rows_ptr + cols[None, :], mask=v_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def as_mask(condition):
+    """``condition`` as a boolean tensor. Under ``TRITON_INTERPRET=1`` a condition that combines
+    a tensor with a scalar comparison (``rows < n & (flag != 0)``) is not a boolean array, and a
+    load or store refuses it as a mask."""
+    return condition.to(tl.int8) != 0
 
 
 @triton.jit
@@ -90,23 +111,21 @@ def visible_pairs(
     """Which (row, key) pairs of a tile may attend, as int8 ``[BLOCK_ROWS, BLOCK_S]``: valid
     rows and keys, causal and sliding-window order, and the padding or dense mask (``mask_ptr``
     already offset to the batch row)."""
-    # int8, not bool: a boolean tensor must not leave an `if` (no 1-bit shared memory)
-    visible = (row_mask[:, None] & in_range[None, :]).to(tl.int8)
-    if causal != 0:
-        visible = visible * (keys[None, :] <= positions[:, None]).to(tl.int8)
-        if window > 0:
-            visible = visible * (keys[None, :] > positions[:, None] - window).to(tl.int8)
-    if has_mask != 0:
-        column = keys - mask_offset
-        inside = (column >= 0) & (column < mask_len)
-        flags = tl.load(
-            mask_ptr + (rows // group)[:, None].to(tl.int64) * stride_mt
-            + column.to(tl.int64)[None, :] * stride_mk,
-            mask=(visible != 0) & inside[None, :],
-            other=0,
-        )  # fmt: skip
-        visible = visible * (flags != 0).to(tl.int8)
-    return visible
+    # Without branches: a run-time `if` here splits the loop body, and the registers live across
+    # both sides spill. int8, not bool, is returned (no 1-bit shared memory).
+    after = keys[None, :] > positions[:, None]
+    outside_window = (window > 0) & (keys[None, :] <= positions[:, None] - window)
+    hidden = (causal != 0) & (after | outside_window)
+    visible = as_mask(row_mask[:, None] & in_range[None, :] & ~hidden)
+    column = keys - mask_offset
+    inside = (column >= 0) & (column < mask_len)
+    flags = tl.load(
+        mask_ptr + (rows // group)[:, None].to(tl.int64) * stride_mt
+        + column.to(tl.int64)[None, :] * stride_mk,
+        mask=as_mask(visible & inside[None, :] & (has_mask != 0)),
+        other=0,
+    )  # fmt: skip
+    return (visible & ((has_mask == 0) | (flags != 0))).to(tl.int8)
 
 
 @triton.jit
@@ -122,9 +141,9 @@ def softmax_step(scores, visible, scale, softcap, m_i, l_i, acc):
     """Scale, softcap and mask a tile of scores; one online-softmax step. Returns the weights
     ``p`` of the tile and the updated ``(m, l)`` and rescaled accumulator."""
     scores = scores * scale
-    if softcap > 0:
-        scaled = scores / softcap
-        scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scaled)) - 1.0)  # tanh
+    cap = tl.where(softcap > 0, softcap, 1.0)  # without a branch, as in visible_pairs
+    capped = cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / cap)) - 1.0)  # cap tanh(scores / cap)
+    scores = tl.where(softcap > 0, capped, scores)
     scores = tl.where(visible != 0, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -135,15 +154,18 @@ def softmax_step(scores, visible, scale, softcap, m_i, l_i, acc):
 
 @triton.jit
 def store_partial(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, slot, row_mask, m_i, l_i, acc,
-    BLOCK_V: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, slot, row_mask, m_i, l_i, acc, col0,
+    acc_width, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """Write one stream's (m, l, acc) of the rows ``out_rows`` (row x split) to ``slot``."""
+    """Write one stream's (m, l, acc) of the rows ``out_rows`` (row x split) to ``slot``: the
+    accumulator's columns ``col0 ..`` of ``acc_width``; (m, l) by the first column block only
+    (every block computes the same)."""
     index = out_rows * 3 + slot
-    tl.store(part_m_ptr + index, m_i, mask=row_mask)
-    tl.store(part_l_ptr + index, l_i, mask=row_mask)
-    vcols = tl.arange(0, BLOCK_V)
-    acc_ptrs = part_acc_ptr + index[:, None].to(tl.int64) * BLOCK_V + vcols[None, :]
+    first_block = as_mask(row_mask & (col0 == 0))
+    tl.store(part_m_ptr + index, m_i, mask=first_block)
+    tl.store(part_l_ptr + index, l_i, mask=first_block)
+    vcols = col0 + tl.arange(0, BLOCK_V)
+    acc_ptrs = part_acc_ptr + index[:, None].to(tl.int64) * acc_width + vcols[None, :]
     tl.store(acc_ptrs, acc, mask=row_mask[:, None])
 
 
@@ -165,6 +187,7 @@ def attention_kernel(
     mask_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     # shapes and positions
     kv_heads, group, n_rows, head_dim, start, first, end, n_splits, partition, split_lo,
+    value_blocks,
     n_sink, band, causal, window, has_mask, mask_len, mask_offset,
     stride_mb, stride_mt, stride_mk, scale, softcap,
     # main keys
@@ -176,8 +199,9 @@ def attention_kernel(
     # main values
     v_exact, v_dim, v_bits, v_code_bytes, v_width, v_norm_bytes,
     stride_vcb, stride_vch, stride_vcs, stride_vnb, stride_vnh, stride_vxb, stride_vxh, stride_vxs,
-    # band keys (mode 0: no band, 1: exact, 2: codes) and values (exact: 1, codes: 2)
-    band_k_mode, band_v_mode, b_cap, bk_dim, bk_bits, bk_code_bytes, bk_width, bk_norm_bytes,
+    # the band (mode 0: none, 1: keys exact, 2: keys as codes) and its values; whether the
+    # band's keys and values are codes is compile-time (BAND_KEY_CODES, BAND_VALUE_CODES)
+    band_k_mode, b_cap, bk_dim, bk_bits, bk_code_bytes, bk_width, bk_norm_bytes,
     bv_cap, bv_dim, bv_bits, bv_code_bytes, bv_width, bv_norm_bytes,
     stride_bkcb, stride_bkch, stride_bkcs, stride_bknb, stride_bknh,
     stride_bkxb, stride_bkxh, stride_bkxs,
@@ -185,13 +209,16 @@ def attention_kernel(
     stride_bvxb, stride_bvxh, stride_bvxs,
     # sink keys and values: strides and the values' ring capacity
     stride_skb, stride_skh, stride_sks, stride_svb, stride_svh, stride_svs, sv_cap,
+    BAND_KEY_CODES: tl.constexpr, BAND_VALUE_CODES: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over one split of the keys for one block of rows, one loop per stream;
-    see the module doc."""
+    """Online softmax over one split of the keys for one block of rows and one block of value
+    columns, one loop per stream; see the module doc."""
     pid_bh = tl.program_id(0)
     pid_rows = tl.program_id(1)
-    pid_split = tl.program_id(2)
+    pid_split = tl.program_id(2) // value_blocks
+    v_col0 = (tl.program_id(2) % value_blocks) * BLOCK_V  # first value column of the program
+    acc_width = value_blocks * BLOCK_V
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
 
@@ -255,22 +282,24 @@ def attention_kernel(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
-        if band_k_mode > 0:  # band pairs are read from the band
-            before_band = keys[None, :] <= positions[:, None] - band
-            visible = visible * (before_band | (keys[None, :] > positions[:, None])).to(tl.int8)
+        # band pairs are read from the band (without a branch, as in visible_pairs)
+        before_band = keys[None, :] <= positions[:, None] - band
+        not_band = before_band | (keys[None, :] > positions[:, None]) | (band_k_mode == 0)
+        visible = visible * not_band.to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
         if v_exact != 0:
-            v_tile = exact_values(v_x, slots, stride_vxs, in_range, head_dim, BLOCK_V)
+            v_tile = exact_values(v_x, slots, stride_vxs, in_range, head_dim, v_col0, BLOCK_V)
         else:
             v_norms_tile = load_norms(v_norms, slots, v_width, in_range, v_norm_bytes)
             v_tile = code_values(
                 v_codes, slots, stride_vcs, in_range, v_bits, v_code_bytes, v_centroids_ptr,
-                v_dim, v_norms_tile, BLOCK_V,
+                v_dim, v_norms_tile, v_col0, BLOCK_V,
             )  # fmt: skip
         acc += tl.dot(p, v_tile, input_precision="ieee")
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 0, row_mask, m_i, l_i, acc, BLOCK_V
-    )
+        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 0, row_mask, m_i, l_i, acc, v_col0,
+        acc_width, BLOCK_V,
+    )  # fmt: skip
 
     # 2. the recent band: keys i - band < j <= i after the sink
     band_lo = tl.maximum(tl.maximum(k_begin, block_lo - band + 1), n_sink)
@@ -289,7 +318,7 @@ def attention_kernel(
         keys = tile + tl.arange(0, BLOCK_S)
         in_range = keys < band_hi
         slots = keys % b_cap
-        if band_k_mode == 2:
+        if BAND_KEY_CODES:
             norms = load_norms(bk_norms, slots, bk_width, in_range, bk_norm_bytes)
             scores = code_scores(
                 q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, in_range,
@@ -307,18 +336,21 @@ def attention_kernel(
         after_band_start = keys[None, :] > positions[:, None] - band
         visible = visible * (after_band_start & (keys[None, :] <= positions[:, None])).to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
-        if band_v_mode == 2:
+        if BAND_VALUE_CODES:
             v_norms_tile = load_norms(bv_norms, slots, bv_width, in_range, bv_norm_bytes)
             v_tile = code_values(
                 bv_codes, slots, stride_bvcs, in_range, bv_bits, bv_code_bytes, bv_centroids_ptr,
-                bv_dim, v_norms_tile, BLOCK_V,
+                bv_dim, v_norms_tile, v_col0, BLOCK_V,
             )  # fmt: skip
         else:
-            v_tile = exact_values(bv_x, keys % bv_cap, stride_bvxs, in_range, head_dim, BLOCK_V)
+            v_tile = exact_values(
+                bv_x, keys % bv_cap, stride_bvxs, in_range, head_dim, v_col0, BLOCK_V
+            )
         acc += tl.dot(p, v_tile, input_precision="ieee")
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 1, row_mask, m_i, l_i, acc, BLOCK_V
-    )
+        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 1, row_mask, m_i, l_i, acc, v_col0,
+        acc_width, BLOCK_V,
+    )  # fmt: skip
 
     # 3. the sink: keys j < n_sink, exact
     sink_hi = tl.minimum(k_end, n_sink)
@@ -337,11 +369,14 @@ def attention_kernel(
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
         p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
-        v_tile = exact_values(sink_v, keys % sv_cap, stride_svs, in_range, head_dim, BLOCK_V)
+        v_tile = exact_values(
+            sink_v, keys % sv_cap, stride_svs, in_range, head_dim, v_col0, BLOCK_V
+        )
         acc += tl.dot(p, v_tile, input_precision="ieee")
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 2, row_mask, m_i, l_i, acc, BLOCK_V
-    )
+        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 2, row_mask, m_i, l_i, acc, v_col0,
+        acc_width, BLOCK_V,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -227,7 +227,7 @@ def partial_bytes(layer, q_heads: int, batch: int, value_width: int, device) -> 
     from rqlib.kernels.launch import split_plan
 
     state = layer.state()
-    block = geo.value_block(value_width)
+    block = geo.accumulator_width(value_width)
     rows = q_heads // state.keys.rings[0].heads  # one query token: the GQA group
     span = state.end - state.first
     splits, _ = split_plan(state, span, batch, rows, block, torch.device(device), None)
@@ -281,8 +281,9 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     return results
 
 
-# (ATTENTION_BLOCK_S, CHUNK, NUM_WARPS) candidates; every block dimension stays >= 16 for tl.dot.
-TILE_CANDIDATES = ((16, 32, 8), (16, 32, 4), (32, 32, 8), (16, 64, 8), (32, 64, 8), (64, 32, 8))
+# (ATTENTION_BLOCK_S, ATTENTION_CHUNK, NUM_WARPS) candidates, the defaults first; every block
+# dimension stays >= 16 for tl.dot.
+TILE_CANDIDATES = ((16, 16, 8), (16, 32, 8), (16, 16, 4), (32, 16, 8), (32, 32, 8), (64, 16, 8))
 
 
 def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
@@ -301,13 +302,13 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     small = decode_layer(key_qz, value_qz, k[:, :, :777], v[:, :, :777], n_sink=0, band=0)
     expected = decode_step(small, q, scale, "torch")
     nbytes = batch * kv_heads * kv_len * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
-    defaults = (geo.ATTENTION_BLOCK_S, geo.CHUNK, geo.NUM_WARPS)
+    defaults = (geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNK, geo.NUM_WARPS)
     print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (defaults {defaults})")
     print(f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'time us':>9} {'GB/s':>7} {'rel err':>8}")
     rows = []
     try:
         for block_s, chunk, warps in TILE_CANDIDATES:
-            geo.ATTENTION_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = block_s, chunk, warps
+            geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNK, geo.NUM_WARPS = block_s, chunk, warps
             got = decode_step(small, q, scale)
             error = float((got - expected).abs().max() / expected.abs().max())
             ms = triton.testing.do_bench(lambda: decode_step(layer, q, scale), warmup=25, rep=100)
@@ -317,7 +318,7 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
             )
             rows.append((block_s, chunk, warps, ms, error))
     finally:
-        geo.ATTENTION_BLOCK_S, geo.CHUNK, geo.NUM_WARPS = defaults
+        geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNK, geo.NUM_WARPS = defaults
     return rows
 
 
