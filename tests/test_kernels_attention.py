@@ -4,7 +4,8 @@ Each case builds one :class:`CompressedLayer` from codecs (no model), feeds it a
 steps and a short chunk, and after every update compares ``kernels.attention(...,
 backend="triton")`` and the float32 torch path with ``reference.attention(..., dtype=float64)``
 on the same stored state. Decode steps use many splits (``DEFAULT_PARTITION`` is set to 16 keys)
-so that the reduce merges several partial results.
+so that the reduce merges several partial results. Every launch is also checked to be one of
+the specializations ``tests/test_kernels_aot.py`` compiles for real GPUs and checks for spills.
 
 Tolerance: both sides read the same stored codes and norms, and exact vectors converted to
 float exactly; the fp32 paths accumulate at most D + m <= 1282 products per score and softmax
@@ -17,6 +18,7 @@ mutation checks in the report were caught by these cases).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from rqlib import kernels
 from rqlib.core.quantizers import make_quantizer
 from rqlib.hf.cache import CompressedLayer
 from rqlib.hf.codec import ChannelPart, VectorCodec
-from rqlib.kernels import launch, reference
+from rqlib.kernels import aot, launch, reference
 from rqlib.kernels import limits as geo
 from rqlib.kernels.state import CausalMask, DenseMask
 from rqlib.kernels.store import round_capacity
@@ -187,8 +189,51 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return error
 
 
+class RecordedKernel:
+    """Stands in for ``launch.attention_kernel``: runs it and records each launch's arguments
+    by name and its keyword arguments (constexprs and compile options)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+        self.names = list(inspect.signature(kernel.fn).parameters)
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.launches.append((dict(zip(self.names, args)), kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch_
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> RecordedKernel:
+    recorder = RecordedKernel(launch.attention_kernel)
+    monkeypatch.setattr(launch, "attention_kernel", recorder)
+    return recorder
+
+
+def assert_compiled_ahead_of_time(recorder: RecordedKernel) -> None:
+    """Every launch is one of the specializations the AOT test compiles (and checks for
+    spills): the same constexprs, exact-vector dtype, warps, pipeline stages and register cap."""
+    listed = {
+        (
+            tuple(sorted(s.constexprs.items())),
+            s.pointers["sink_k_ptr"],
+            (s.num_warps, s.num_stages, s.maxnreg),
+        )
+        for s in aot.specializations()
+        if s.kernel == "attention_kernel"
+    }
+    assert recorder.launches
+    for arguments, keywords in recorder.launches:
+        options = tuple(keywords.get(name) for name in ("num_warps", "num_stages", "maxnreg"))
+        constexprs = {k: v for k, v in keywords.items() if k.isupper()}
+        dtype = aot.TRITON_DTYPES[arguments["sink_k_ptr"].dtype]
+        assert (tuple(sorted(constexprs.items())), dtype, options) in listed
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_triton_attention_matches_the_torch_implementation(case, rng):
+def test_triton_attention_matches_the_torch_implementation(case, rng, recorded):
     layer = build_layer(case, rng)
     layer.active = True
     total = case.steps[-1][1]
@@ -215,6 +260,7 @@ def test_triton_attention_matches_the_torch_implementation(case, rng):
         assert relative_error(torch_path, expected) <= TOLERANCE
         if padding is not None and first < 3 and not case.dense:  # pad queries see no key
             assert torch.equal(got[-1, :, : 3 - first], torch.zeros_like(got[-1, :, : 3 - first]))
+    assert_compiled_ahead_of_time(recorded)
     if case.sliding is not None:  # tokens beyond the window are evicted, not only masked
         ring = layer.streams["keys"].rings[0]
         from rqlib.hf.cache import SHORT_QUERY
