@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from rqlib.book.figures import legend_below, subplots
 from rqlib.core.packing import pack_bits, unpack_bits
 
-__all__ = ["benchmark_figure", "bytes_figure", "packing_figure", "speedups"]
+__all__ = ["benchmark_figure", "bytes_figure", "issue_figure", "packing_figure", "speedups"]
 
 
 def speedups(per_bits: pd.DataFrame, value_bits: int) -> dict[str, pd.Series]:
@@ -100,21 +100,43 @@ def packing_figure(codes: torch.Tensor, bits: int) -> Figure:
     return fig
 
 
+def issue_figure(by_class: Mapping[str, float], budgets: Mapping[str, float], label: str) -> Figure:
+    """Warp instructions per key of a compiled decode step, stacked by class, against the
+    instructions a GPU can issue while its HBM delivers the bytes of one key (``budgets``:
+    one vertical line per storage format)."""
+    fig, (ax,) = subplots(1, width=7.0, height=2.0)
+    left = 0.0
+    for (name, value), color in zip(by_class.items(), plt.get_cmap("tab10").colors):
+        ax.barh([label], [value], left=left, color=color, label=name)
+        left += value
+    for (name, budget), style in zip(budgets.items(), ("--", ":", "-.")):
+        ax.axvline(budget, color="k", ls=style, label=f"budget: {name}")
+    ax.set_xlabel("warp instructions issued per key and KV head")
+    handles = ax.get_legend_handles_labels()[0]
+    legend_below(fig, handles=handles, ncol=2)
+    return fig
+
+
 def benchmark_figure(
     model_bytes: Mapping[str, float],
     lengths: np.ndarray,
     heads: int,
     hbm_gbps: float,
     measured: pd.DataFrame | None,
+    issue_floor: tuple[str, float] | None = None,
 ) -> Figure:
     """Time of one decode step of one layer against the context length: the byte-count model
-    (dashed: bytes per token and KV head read once at ``hbm_gbps``) and, when measured, the
-    kernels' times (left) and achieved bandwidth (right)."""
+    (dashed: bytes per token and KV head read once at ``hbm_gbps``), the instruction-issue
+    floor when given (``(label, nanoseconds per token and KV head)``, dotted) and, when
+    measured, the kernels' times (left) and achieved bandwidth (right)."""
     fig, axes = subplots(1 if measured is None else 2, width=5.8, height=3.8)
     ax = axes[0]
     for (name, nbytes), color in zip(model_bytes.items(), ("C0", "C1", "C2")):
         micros = nbytes * lengths * heads / (hbm_gbps * 1e9) * 1e6
         ax.plot(lengths, micros, "--", color=color, label=f"model: {name}")
+    if issue_floor is not None:
+        name, nanos = issue_floor
+        ax.plot(lengths, nanos * lengths * heads / 1e3, ":", color="C3", label=name)
     if measured is not None:
         for name, group in measured.groupby("kernel", sort=False):
             ax.plot(group["kv_len"], group["time_us"], "o-", label=f"measured: {name}")

@@ -1,0 +1,276 @@
+"""Count the instructions a compiled decode step issues per key, without a GPU.
+
+A decode step is fast when it is bound by memory: the GPU must be able to issue every
+instruction the step needs for one key in the time HBM takes to deliver that key's bytes.
+Both sides can be counted without a GPU. The bytes come from the storage format. The
+instructions come from the machine code (SASS) that ptxas produces for the attention kernel:
+
+1. :func:`compile_decode_path` compiles ``attention_kernel`` for ``sm_<arch>`` with the
+   run-time arguments of one decode path fixed as constants (keys and values as codes,
+   no QJL, no mask, causal: :func:`decode_path_constants`), so that the branches it does not
+   take are compiled away. It runs in a subprocess without ``TRITON_INTERPRET``, like
+   :func:`rqlib.book.ptx.compile_ptx`, and returns the disassembly (``cuobjdump -sass``).
+2. :func:`parse_sass` reads the instructions (address, opcode, branch target).
+3. :func:`tile_counts` finds the main stream's loop (the first outermost loop: a backward
+   branch) and counts the opcodes of one iteration, which handles ``BLOCK_S`` keys. A loop
+   nested in it (the scores' walk over the coordinates in chunks) counts ``trips`` times.
+4. :class:`IssueCount` turns the counts into instructions per key, per thread and per warp,
+   grouped into classes (:data:`CLASSES`); :func:`issue_budget` gives the warp instructions
+   per key that a GPU can issue while its HBM delivers the key's bytes.
+
+These are static counts: a predicated-off instruction counts as issued (it is), latencies,
+dual issue and the rates of the execution units are ignored, and only the main loop is
+counted (the sink and the recent band add a constant per step). They bound how fast the step
+can be from below; a GPU measures how fast it is.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CLASSES",
+    "Instruction",
+    "IssueCount",
+    "compile_decode_path",
+    "decode_path_constants",
+    "issue_budget",
+    "parse_sass",
+    "tile_counts",
+]
+
+#: Opcode classes (the opcode before its first ``.``); anything else counts as "other".
+CLASSES = {
+    "fp32 multiply-add (FFMA)": {"FFMA"},
+    "other floating point": {
+        "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "MUFU", "HADD2", "HFMA2", "HMUL2", "F2F",
+        "F2FP", "I2F", "F2I", "FCHK", "HMMA",
+    },
+    "global loads": {"LDG"},
+    "shared memory and barriers": {"LDS", "STS", "LDSM", "STSM", "BAR"},
+    "integer and address arithmetic": {
+        "IMAD", "IADD3", "LEA", "SHF", "LOP3", "PRMT", "IABS", "SEL", "MOV", "IMNMX", "UIADD3",
+        "ULDC", "UMOV", "IMUL", "ULEA", "USHF", "ULOP3", "UIMAD", "VIADD", "VIMNMX", "I2I",
+    },
+    "predicates, shuffles and control": {
+        "ISETP", "PLOP3", "BRA", "P2R", "R2P", "SHFL", "VOTE", "BSSY", "BSYNC", "WARPSYNC",
+        "UISETP", "UPLOP3", "NOP",
+    },
+}  # fmt: skip
+
+_INSTRUCTION = re.compile(
+    r"/\*(?P<address>[0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?(?P<opcode>[A-Z][A-Z0-9_.]*)(?P<rest>[^;]*);"
+)
+_TARGET = re.compile(r"0x(?P<target>[0-9a-f]+)")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One SASS instruction: its address, its opcode without modifiers, and for a branch the
+    address it jumps to (``None`` otherwise)."""
+
+    address: int
+    opcode: str
+    target: int | None = None
+
+
+def parse_sass(text: str) -> list[Instruction]:
+    """The instructions of a ``cuobjdump -sass`` listing, in address order."""
+    instructions = []
+    for match in _INSTRUCTION.finditer(text):
+        opcode = match["opcode"].split(".")[0]
+        target = None
+        if opcode == "BRA":
+            found = _TARGET.search(match["rest"])
+            target = int(found["target"], 16) if found else None
+        instructions.append(Instruction(int(match["address"], 16), opcode, target))
+    if not instructions:
+        raise ValueError("no SASS instruction found in the listing")
+    return sorted(instructions, key=lambda instruction: instruction.address)
+
+
+def loops(instructions: list[Instruction]) -> list[tuple[int, int]]:
+    """``(first, last)`` addresses of every loop: a branch to an earlier address."""
+    return sorted(
+        (i.target, i.address)
+        for i in instructions
+        if i.target is not None and i.target <= i.address
+    )
+
+
+def tile_counts(instructions: list[Instruction], trips: int) -> collections.Counter:
+    """Opcodes issued by one iteration of the first outermost loop, a loop nested in it
+    counted ``trips`` times. Raises ``LookupError`` when there is no loop, or more than one
+    loop nested in it (the count would not know their trip counts)."""
+    found = loops(instructions)
+    outermost = [
+        (lo, hi)
+        for lo, hi in found
+        if not any(a <= lo and hi <= b and (a, b) != (lo, hi) for a, b in found)
+    ]
+    if not outermost:
+        raise LookupError("the kernel has no loop")
+    main = outermost[0]
+    nested = [(lo, hi) for lo, hi in found if main[0] <= lo and hi <= main[1] and (lo, hi) != main]
+    if len(nested) > 1:
+        raise LookupError(f"the main loop {main} holds {len(nested)} loops, expected at most 1")
+
+    def inside(span, instruction):
+        return span[0] <= instruction.address <= span[1]
+
+    counts = collections.Counter()
+    for instruction in instructions:
+        if not inside(main, instruction):
+            continue
+        in_nested = any(inside(span, instruction) for span in nested)
+        counts[instruction.opcode] += trips if in_nested else 1
+    return counts
+
+
+@dataclass(frozen=True)
+class IssueCount:
+    """The opcodes one thread issues for one tile of ``keys`` keys of the main loop (and the
+    listing they were counted from)."""
+
+    per_tile: dict
+    keys: int
+    warps: int
+    trips: int
+    instructions: tuple = field(default=(), repr=False)
+
+    @property
+    def per_key_per_thread(self) -> float:
+        return sum(self.per_tile.values()) / self.keys
+
+    @property
+    def warp_instructions_per_key(self) -> float:
+        """Instructions the SM schedulers issue per key: every warp runs the loop."""
+        return self.per_key_per_thread * self.warps
+
+    def by_class(self) -> dict[str, float]:
+        """Warp instructions per key in each of :data:`CLASSES`, plus ``"other"``."""
+        result = {name: 0.0 for name in (*CLASSES, "other")}
+        for opcode, count in self.per_tile.items():
+            name = next((name for name, ops in CLASSES.items() if opcode in ops), "other")
+            result[name] += count * self.warps / self.keys
+        return result
+
+
+def issue_budget(bytes_per_key: float, hbm_gbs: float, sm_count: int, clock_ghz: float) -> float:
+    """Warp instructions per key a GPU can issue while its HBM delivers ``bytes_per_key``: each
+    SM has four schedulers that issue one warp instruction per clock at best."""
+    if min(bytes_per_key, hbm_gbs, sm_count, clock_ghz) <= 0:
+        raise ValueError(
+            f"need positive bytes, bandwidth, SM count and clock, got {bytes_per_key}, "
+            f"{hbm_gbs}, {sm_count}, {clock_ghz}"
+        )
+    return sm_count * 4 * clock_ghz * bytes_per_key / hbm_gbs
+
+
+def decode_path_constants(
+    head_dim: int, key_bits: int, value_bits: int, norm_bits: int, group: int
+) -> dict:
+    """The run-time arguments of ``attention_kernel`` fixed for one decode path: keys and values
+    stored as codes of the full head dimension (``key_bits`` and ``value_bits`` bits) with
+    ``norm_bits``-bit norms, no QJL, no mask, causal, one value block."""
+    return dict(
+        k_exact=0, k_qjl=0, v_exact=0, has_mask=0, causal=1, window=0, value_blocks=1,
+        group=group, head_dim=head_dim, k_dim=head_dim, v_dim=head_dim, k_bits=key_bits,
+        v_bits=value_bits, k_code_bytes=math.ceil(head_dim * key_bits / 8),
+        v_code_bytes=math.ceil(head_dim * value_bits / 8), k_width=norm_bits, v_width=norm_bits,
+    )  # fmt: skip
+
+
+def _decode_spec(*path: int, exact: str = "fp16"):
+    """The presets' attention specialization (band of codes, ``exact`` sink) at ``head_dim``,
+    with :func:`decode_path_constants` added as constants."""
+    import dataclasses
+
+    from rqlib.kernels import aot
+    from rqlib.kernels import limits as geo
+
+    block = geo.value_block(path[0])
+    spec = next(
+        s
+        for s in aot.specializations()
+        if s.kernel == "attention_kernel"
+        and s.constexprs["BLOCK_V"] == block
+        and s.constexprs["BAND_KEY_CODES"]
+        and s.constexprs["BAND_VALUE_CODES"]
+        and s.pointers["k_exact_ptr"] == exact
+    )
+    constants = decode_path_constants(*path)
+    return dataclasses.replace(spec, constexprs={**spec.constexprs, **constants})
+
+
+def compile_decode_path(
+    arch: int,
+    head_dim: int,
+    key_bits: int,
+    value_bits: int,
+    norm_bits: int,
+    group: int,
+    *,
+    timeout: float = 300.0,
+) -> IssueCount:
+    """Compile the decode path (:func:`decode_path_constants`) of ``attention_kernel`` for
+    ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET`` and count one main-loop tile.
+
+    Raises ``RuntimeError`` with the end of the compiler's stderr when the compile fails.
+    """
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, stated to silence its warning
+    arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits, group)]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "kernel.sass"
+        result = subprocess.run(
+            [sys.executable, "-m", "rqlib.book.sass", *arguments, str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"sm_{arch} compile of the decode path failed:\n{result.stderr[-3000:]}"
+            )
+        text = out.read_text()
+    usage = json.loads(result.stdout.strip().splitlines()[-1])
+    trips = math.ceil(head_dim / usage["chunk"])
+    instructions = parse_sass(text)
+    counts = tile_counts(instructions, trips)
+    return IssueCount(dict(counts), usage["keys"], usage["warps"], trips, tuple(instructions))
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS GROUP OUT``:
+    write the SASS of the decode path, print its tile (keys, chunk, warps) as JSON."""
+    from rqlib.kernels import aot
+
+    arch, *path = (int(value) for value in argv[:6])
+    spec = _decode_spec(*path)
+    compiled = aot.compile_kernel(aot.kernel_objects()[spec.kernel], spec, arch)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(compiled.asm["cubin"])
+        handle.flush()
+        sass = subprocess.run(
+            [aot.cuobjdump(), "-sass", handle.name], capture_output=True, text=True, check=True
+        ).stdout
+    Path(argv[6]).write_text(sass)
+    tile = {"keys": spec.constexprs["BLOCK_S"], "chunk": spec.constexprs["CHUNK"]}
+    print(json.dumps({**tile, "warps": spec.num_warps}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,73 @@
+"""Instructions per key of the compiled decode step (rqlib.book.sass), counted without a GPU.
+
+The listing parser and the loop count are checked on a hand-written listing whose counts are
+known. The compiled count is checked against what the tile must do: the scores and the
+weighted values of BLOCK_ROWS rows and BLOCK_S keys are IEEE fp32 ``tl.dot`` products, which
+ptxas turns into one FFMA per product and thread. A count that missed the trips of the loop
+over the coordinates (the scores' chunks) finds far fewer, and the test shows that it fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rqlib.book import sass
+from rqlib.kernels import limits as geo
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FFMA R3, R4, R5, R3 ;
+        /*0020*/                   IMAD R6, R7, R8, R9 ;
+        /*0030*/                   FFMA R3, R4, R5, R3 ;
+        /*0040*/               @P0 BRA 0x20 ;
+        /*0050*/                   LDG.E.U8 R10, desc[UR4][R2.64] ;
+        /*0060*/              @!P1 BRA 0x10 ;
+        /*0070*/               @P2 BRA 0x90 ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_one_tile_counts_the_nested_loop_trips_times():
+    instructions = sass.parse_sass(LISTING)
+    assert [i.opcode for i in instructions[:3]] == ["MOV", "FFMA", "IMAD"]
+    assert sass.loops(instructions) == [(0x10, 0x60), (0x20, 0x40)]
+    counts = sass.tile_counts(instructions, trips=3)
+    # main loop 0x10-0x60: FFMA, LDG, BRA once; nested 0x20-0x40: IMAD, FFMA, BRA three times
+    assert counts == {"FFMA": 4, "IMAD": 3, "BRA": 4, "LDG": 1}
+    second = LISTING.replace("LDG.E.U8 R10, desc[UR4][R2.64]", "BRA 0x50")
+    with pytest.raises(LookupError, match="holds 2 loops"):
+        sass.tile_counts(sass.parse_sass(second), trips=3)
+    with pytest.raises(LookupError, match="no loop"):
+        sass.tile_counts(
+            sass.parse_sass(LISTING.replace("BRA 0x20", "NOP").replace("BRA 0x10", "NOP")), 3
+        )
+    with pytest.raises(ValueError, match="no SASS"):
+        sass.parse_sass("nothing here")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
+    count = sass.compile_decode_path(90, head_dim, 3, 3, 16, 4)
+    threads = 32 * count.warps
+    # scores: BLOCK_ROWS x BLOCK_S x d products; weighted values: BLOCK_ROWS x BLOCK_S x BLOCK_V
+    # (BLOCK_V = d at these head dims); a few more FFMA come from the softmax (at most 5 %)
+    products = 2 * geo.BLOCK_ROWS * count.keys * head_dim // threads
+    print(f"head_dim {head_dim}: {count.per_tile['FFMA']} FFMA a tile, {products} products")
+    assert products <= count.per_tile["FFMA"] <= 1.05 * products
+    assert count.trips == head_dim // geo.ATTENTION_CHUNK > 1
+    missing_trips = sass.tile_counts(list(count.instructions), trips=1)
+    assert missing_trips["FFMA"] < products  # the check rejects a count without the trips
+    by_class = count.by_class()
+    assert sum(by_class.values()) == pytest.approx(count.warp_instructions_per_key)
+    assert by_class["fp32 multiply-add (FFMA)"] == pytest.approx(
+        count.per_tile["FFMA"] * count.warps / count.keys
+    )
+
+
+def test_issue_budget():
+    # 132 SMs x 4 schedulers x 2 GHz = 1056 G warp instructions a second; 100 bytes at 2 TB/s
+    # take 50 ps, in which they issue 52.8
+    assert sass.issue_budget(100, 2000, 132, 2.0) == pytest.approx(52.8)
+    with pytest.raises(ValueError, match="positive"):
+        sass.issue_budget(100, 0, 132, 2.0)
