@@ -44,6 +44,7 @@ __all__ = [
     "compile_decode_path",
     "decode_path_constants",
     "issue_budget",
+    "issue_summary",
     "parse_sass",
     "tile_counts",
 ]
@@ -174,6 +175,43 @@ def issue_budget(bytes_per_key: float, hbm_gbs: float, sm_count: int, clock_ghz:
             f"{hbm_gbs}, {sm_count}, {clock_ghz}"
         )
     return sm_count * 4 * clock_ghz * bytes_per_key / hbm_gbs
+
+
+def issue_summary(
+    count: IssueCount,
+    packed_bytes: float,
+    fp16_bytes: float,
+    rows: int,
+    hbm_gbs: float,
+    sm_count: int,
+    clock_ghz: float,
+) -> dict[str, float]:
+    """What the count of a decode step says, per key and KV head: ``per_key`` warp instructions;
+    the ``budget_packed`` and ``budget_fp16`` instructions a GPU issues while its HBM delivers
+    ``packed_bytes`` or ``fp16_bytes`` (a key and a value in each format); their ``ratio``
+    (count / packed budget); the shares of fp32 multiply-adds, of the multiply-adds spent on
+    rows padded from ``rows`` (the group of a decode step) to the 16 of ``tl.dot``, and of integer
+    arithmetic; and ``vs_fp16``: the step's issue floor (nanoseconds at one instruction per
+    scheduler and clock) over the time to read the fp16 key and value at the HBM rate."""
+    from rqlib.kernels import limits as geo
+
+    per_key = count.warp_instructions_per_key
+    classes = count.by_class()
+    fma = classes["fp32 multiply-add (FFMA)"]
+    padded = 1 - min(rows, geo.BLOCK_ROWS) / geo.BLOCK_ROWS
+    budget_packed = issue_budget(packed_bytes, hbm_gbs, sm_count, clock_ghz)
+    issue_ns = per_key / (sm_count * 4 * clock_ghz)
+    return {
+        "per_key": per_key,
+        "budget_packed": budget_packed,
+        "budget_fp16": issue_budget(fp16_bytes, hbm_gbs, sm_count, clock_ghz),
+        "ratio": per_key / budget_packed,
+        "fma_share": fma / per_key,
+        "padding_share": fma * padded / per_key,
+        "int_share": classes["integer and address arithmetic"] / per_key,
+        "ns_per_key": issue_ns,
+        "vs_fp16": issue_ns / (fp16_bytes / hbm_gbs),
+    }
 
 
 def decode_path_constants(
