@@ -76,12 +76,14 @@ def test_issue_budget():
 def test_issue_summary_of_a_known_count():
     # 16 keys a tile, 8 warps: 320 FFMA + 160 IMAD + 160 LDG a tile = 320 warp instructions a key
     count = sass.IssueCount({"FFMA": 320, "IMAD": 160, "LDG": 160}, keys=16, warps=8, trips=1)
-    summary = sass.issue_summary(count, 100, 500, rows=4, hbm_gbs=2000, sm_count=132, clock_ghz=2)
+    hardware = dict(hbm_gbs=2000, sm_count=132, clock_ghz=2)
+    summary = sass.issue_summary(count, 100, 500, rows=4, head_dim=128, **hardware)
     assert summary["per_key"] == 320
     assert summary["budget_packed"] == pytest.approx(52.8)  # see test_issue_budget
     assert summary["budget_fp16"] == pytest.approx(5 * 52.8)
     assert summary["ratio"] == pytest.approx(320 / 52.8)
     assert summary["fma_share"] == 0.5 and summary["int_share"] == 0.25
     assert summary["padding_share"] == 0.5 * 12 / 16  # 4 rows padded to 16
+    assert summary["fma_floor"] == 2 * 4 * 128 / 32
     # 320 instructions at 132 x 4 x 2 GHz take 0.303 ns; 500 bytes at 2 TB/s take 0.25 ns
     assert summary["vs_fp16"] == pytest.approx(320 / 1056 / 0.25)

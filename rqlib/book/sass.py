@@ -182,6 +182,7 @@ def issue_summary(
     packed_bytes: float,
     fp16_bytes: float,
     rows: int,
+    head_dim: int,
     hbm_gbs: float,
     sm_count: int,
     clock_ghz: float,
@@ -191,8 +192,11 @@ def issue_summary(
     ``packed_bytes`` or ``fp16_bytes`` (a key and a value in each format); their ``ratio``
     (count / packed budget); the shares of fp32 multiply-adds, of the multiply-adds spent on
     rows padded from ``rows`` (the group of a decode step) to the 16 of ``tl.dot``, and of integer
-    arithmetic; and ``vs_fp16``: the step's issue floor (nanoseconds at one instruction per
-    scheduler and clock) over the time to read the fp16 key and value at the HBM rate."""
+    arithmetic; ``fma_floor``: the warp instructions of the multiply-adds a key needs on CUDA
+    cores without any padding (``rows`` scores and ``rows`` weighted values of ``head_dim``
+    coordinates, one FFMA each, 32 lanes a warp); and ``vs_fp16``: the step's issue floor
+    (nanoseconds at one instruction per scheduler and clock) over the time to read the fp16
+    key and value at the HBM rate."""
     from rqlib.kernels import limits as geo
 
     per_key = count.warp_instructions_per_key
@@ -209,6 +213,7 @@ def issue_summary(
         "fma_share": fma / per_key,
         "padding_share": fma * padded / per_key,
         "int_share": classes["integer and address arithmetic"] / per_key,
+        "fma_floor": 2 * rows * head_dim / 32,
         "ns_per_key": issue_ns,
         "vs_fp16": issue_ns / (fp16_bytes / hbm_gbs),
     }
