@@ -60,6 +60,10 @@ def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     assert missing_trips["FFMA"] < products  # the check rejects a count without the trips
     by_class = count.by_class()
     assert sum(by_class.values()) == pytest.approx(count.warp_instructions_per_key)
+    lines = count.by_source(top=1000)
+    assert sum(per_key for *_, per_key in lines) == pytest.approx(count.warp_instructions_per_key)
+    texts = [text for _, text, _ in lines]
+    assert any("tl.dot" in text for text in texts)  # the source lines are the kernel's
     assert by_class["fp32 multiply-add (FFMA)"] == pytest.approx(
         count.per_tile["FFMA"] * count.warps / count.keys
     )
@@ -87,3 +91,32 @@ def test_issue_summary_of_a_known_count():
     assert summary["fma_floor"] == 2 * 4 * 128 / 32
     # 320 instructions at 132 x 4 x 2 GHz take 0.303 ns; 500 bytes at 2 TB/s take 0.25 ns
     assert summary["vs_fp16"] == pytest.approx(320 / 1056 / 0.25)
+
+
+NVDISASM = """
+	//## File "/somewhere/rqlib/kernels/triton_attention.py", line 10
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+	//## File "/somewhere/rqlib/kernels/triton_attention.py", line 12
+        /*0010*/                   FFMA R3, R4, R5, R3 ;
+        /*0020*/                   FFMA R3, R4, R5, R3 ;
+	//## File "/somewhere/rqlib/kernels/triton_common.py", line 30
+        /*0030*/                   LOP3.LUT R6, R7, 0x7, RZ, 0xc0, !PT ;
+        /*0040*/              @!P1 BRA `(.L_x_0) ;
+        /*0050*/                   EXIT ;
+"""
+
+
+def test_an_nvdisasm_listing_gives_labels_and_source_lines():
+    instructions = sass.parse_sass(NVDISASM)
+    assert sass.loops(instructions) == [(0x10, 0x40)]  # the label .L_x_0 is address 0x10
+    assert [i.source for i in instructions] == [
+        "triton_attention.py:10",
+        "triton_attention.py:12",
+        "triton_attention.py:12",
+        "triton_common.py:30",
+        "triton_common.py:30",
+        "triton_common.py:30",
+    ]
+    by_source = sass.tile_counts(instructions, trips=1, by="source")
+    assert by_source == {"triton_attention.py:12": 2, "triton_common.py:30": 2}

@@ -9,17 +9,19 @@ instructions come from the machine code (SASS) that ptxas produces for the atten
    run-time arguments of one decode path fixed as constants (keys and values as codes,
    no QJL, no mask, causal: :func:`decode_path_constants`), so that the branches it does not
    take are compiled away. It runs in a subprocess without ``TRITON_INTERPRET``, like
-   :func:`rqlib.book.ptx.compile_ptx`, and returns the disassembly (``cuobjdump -sass``).
-2. :func:`parse_sass` reads the instructions (address, opcode, branch target).
+   :func:`rqlib.book.ptx.compile_ptx`, and disassembles it with the source line of every
+   instruction (``nvdisasm -g``).
+2. :func:`parse_sass` reads the instructions (address, opcode, branch target, source line).
 3. :func:`tile_counts` finds the main stream's loop (the first outermost loop: a backward
    branch) and counts the opcodes of one iteration, which handles ``BLOCK_S`` keys. A loop
    nested in it (the scores' walk over the coordinates in chunks) counts ``trips`` times.
 4. :class:`IssueCount` turns the counts into instructions per key, per thread and per warp,
-   grouped into classes (:data:`CLASSES`); :func:`issue_budget` gives the warp instructions
-   per key that a GPU can issue while its HBM delivers the key's bytes.
+   grouped into classes (:data:`CLASSES`) or by source line (:meth:`IssueCount.by_source`);
+   :func:`issue_budget` gives the warp instructions per key that a GPU can issue while its
+   HBM delivers the key's bytes.
 
 These are static counts: a predicated-off instruction counts as issued (it is), latencies,
-dual issue and the rates of the execution units are ignored, and only the main loop is
+and the rates of the execution units are ignored, and only the main loop is
 counted (the sink and the recent band add a constant per step). They bound how fast the step
 can be from below; a GPU measures how fast it is.
 """
@@ -71,31 +73,51 @@ CLASSES = {
 _INSTRUCTION = re.compile(
     r"/\*(?P<address>[0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?(?P<opcode>[A-Z][A-Z0-9_.]*)(?P<rest>[^;]*);"
 )
-_TARGET = re.compile(r"0x(?P<target>[0-9a-f]+)")
+_TARGET = re.compile(r"0x(?P<target>[0-9a-f]+)|`\((?P<label>\.L_x_\d+)\)")
+_LABEL = re.compile(r"^\s*(?P<label>\.L_x_\d+):")
+_SOURCE = re.compile(r'//## File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
 @dataclass(frozen=True)
 class Instruction:
-    """One SASS instruction: its address, its opcode without modifiers, and for a branch the
-    address it jumps to (``None`` otherwise)."""
+    """One SASS instruction: its address, its opcode without modifiers, for a branch the
+    address it jumps to (``None`` otherwise), and the source line it was compiled from
+    (``file name:line``, ``None`` when the listing has no line information)."""
 
     address: int
     opcode: str
     target: int | None = None
+    source: str | None = None
 
 
 def parse_sass(text: str) -> list[Instruction]:
-    """The instructions of a ``cuobjdump -sass`` listing, in address order."""
-    instructions = []
-    for match in _INSTRUCTION.finditer(text):
-        opcode = match["opcode"].split(".")[0]
-        target = None
-        if opcode == "BRA":
-            found = _TARGET.search(match["rest"])
-            target = int(found["target"], 16) if found else None
-        instructions.append(Instruction(int(match["address"], 16), opcode, target))
-    if not instructions:
+    """The instructions of a ``cuobjdump -sass`` listing (branch targets as addresses) or of an
+    ``nvdisasm -g -c`` listing (targets as labels, ``//## File ..., line N`` before the
+    instructions of each source line), in address order."""
+    rows, labels, pending, source = [], {}, [], None
+    for line in text.splitlines():
+        if label := _LABEL.match(line):
+            pending.append(label["label"])
+        elif where := _SOURCE.search(line):
+            source = f"{Path(where['file']).name}:{where['line']}"
+        elif match := _INSTRUCTION.search(line):
+            address = int(match["address"], 16)
+            labels.update({name: address for name in pending})
+            pending = []
+            rows.append((address, match["opcode"].split(".")[0], match["rest"], source))
+    if not rows:
         raise ValueError("no SASS instruction found in the listing")
+
+    def target(opcode: str, rest: str) -> int | None:
+        found = _TARGET.search(rest) if opcode == "BRA" else None
+        if found is None:
+            return None
+        return int(found["target"], 16) if found["target"] else labels.get(found["label"])
+
+    instructions = [
+        Instruction(address, opcode, target(opcode, rest), where)
+        for address, opcode, rest, where in rows
+    ]
     return sorted(instructions, key=lambda instruction: instruction.address)
 
 
@@ -108,10 +130,13 @@ def loops(instructions: list[Instruction]) -> list[tuple[int, int]]:
     )
 
 
-def tile_counts(instructions: list[Instruction], trips: int) -> collections.Counter:
-    """Opcodes issued by one iteration of the first outermost loop, a loop nested in it
-    counted ``trips`` times. Raises ``LookupError`` when there is no loop, or more than one
-    loop nested in it (the count would not know their trip counts)."""
+def tile_counts(
+    instructions: list[Instruction], trips: int, by: str = "opcode"
+) -> collections.Counter:
+    """Instructions issued by one iteration of the first outermost loop, a loop nested in it
+    counted ``trips`` times, counted by ``by`` (``"opcode"`` or ``"source"``). Raises
+    ``LookupError`` when there is no loop, or more than one loop nested in it (the count would
+    not know their trip counts)."""
     found = loops(instructions)
     outermost = [
         (lo, hi)
@@ -133,7 +158,7 @@ def tile_counts(instructions: list[Instruction], trips: int) -> collections.Coun
         if not inside(main, instruction):
             continue
         in_nested = any(inside(span, instruction) for span in nested)
-        counts[instruction.opcode] += trips if in_nested else 1
+        counts[getattr(instruction, by)] += trips if in_nested else 1
     return counts
 
 
@@ -157,6 +182,16 @@ class IssueCount:
         """Instructions the SM schedulers issue per key: every warp runs the loop."""
         return self.per_key_per_thread * self.warps
 
+    def by_source(self, top: int = 10) -> list[tuple[str, str, float]]:
+        """The ``top`` source lines that issue the most: ``(file:line, the line's text, warp
+        instructions per key)``, most first. Lines outside ``rqlib.kernels`` (Triton's own
+        reductions) have an empty text."""
+        counts = tile_counts(list(self.instructions), self.trips, by="source")
+        rows = []
+        for where, count in counts.most_common(top):
+            rows.append((where or "?", _source_text(where), count * self.warps / self.keys))
+        return rows
+
     def by_class(self) -> dict[str, float]:
         """Warp instructions per key in each of :data:`CLASSES`, plus ``"other"``."""
         result = {name: 0.0 for name in (*CLASSES, "other")}
@@ -164,6 +199,18 @@ class IssueCount:
             name = next((name for name, ops in CLASSES.items() if opcode in ops), "other")
             result[name] += count * self.warps / self.keys
         return result
+
+
+def _source_text(where: str | None) -> str:
+    """The text of ``file:line`` in ``rqlib/kernels``, stripped; empty if it is not there."""
+    if not where or ":" not in where:
+        return ""
+    name, line = where.rsplit(":", 1)
+    path = Path(__file__).resolve().parents[1] / "kernels" / name
+    if not path.is_file():
+        return ""
+    lines = path.read_text().splitlines()
+    return lines[int(line) - 1].strip() if 0 < int(line) <= len(lines) else ""
 
 
 def issue_budget(bytes_per_key: float, hbm_gbs: float, sm_count: int, clock_ghz: float) -> float:
@@ -306,8 +353,9 @@ def _main(argv: list[str]) -> int:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
+        nvdisasm = Path(aot.cuobjdump()).with_name("nvdisasm")
         sass = subprocess.run(
-            [aot.cuobjdump(), "-sass", handle.name], capture_output=True, text=True, check=True
+            [str(nvdisasm), "-g", "-c", handle.name], capture_output=True, text=True, check=True
         ).stdout
     Path(argv[6]).write_text(sass)
     tile = {"keys": spec.constexprs["BLOCK_S"], "chunk": spec.constexprs["CHUNK"]}
