@@ -332,20 +332,3 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
     for bad in (0, -16, 10, 16.0, True):
         with pytest.raises(ValueError, match="partition must be a positive multiple of 16"):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)
-
-
-def test_a_ring_too_small_for_the_slot_wrap_is_refused(rng, monkeypatch):
-    """The kernel wraps a tile of keys into a ring with two conditional subtractions
-    (``ring_slots``), which needs at least ATTENTION_BLOCK_S / 2 slots; every capacity the
-    store allocates has that many, and a smaller ring is refused by name."""
-    assert round_capacity(1) >= geo.ATTENTION_BLOCK_S // 2
-    d = 64
-    layer = CompressedLayer(0, codec(("turboquant-mse", 3, {}), d, rng), None)
-    layer.active = True
-    layer.update(torch.randn(1, 1, 5, d, generator=rng), torch.randn(1, 1, 5, d, generator=rng))
-    ring = layer.state().keys.rings[0]
-    monkeypatch.setattr(ring, "capacity", geo.ATTENTION_BLOCK_S // 2 - 1)
-    q = torch.randn(1, 2, 5, d, generator=rng)
-    mask = CausalMask(1, 0, 5, 0, 5)
-    with pytest.raises(ValueError, match="keys: a ring of 7 slots has no kernel"):
-        kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")

@@ -223,13 +223,6 @@ def check_state(state) -> None:
                     f"exact vectors of dtype {stream.exact.dtype} have no kernel; supported "
                     f"{SUPPORTED_EXACT_DTYPES}"
                 )
-    for name, stream in (("keys", state.keys), ("recent band keys", state.band_keys)):
-        capacity = stream.rings[0].capacity if stream is not None else 0
-        if 0 < capacity < ATTENTION_BLOCK_S // 2:  # triton_attention.ring_slots wraps twice
-            raise ValueError(
-                f"{name}: a ring of {capacity} slots has no kernel; rings of at least "
-                f"{ATTENTION_BLOCK_S // 2} slots are (rqlib.kernels.store.round_capacity)"
-            )
     # band and sink pairs whose own values are missing read the main values; the kernel does
     # that only for exact ones (a layer whose values are codes stores both, see rqlib.hf.cache)
     if not state.values.is_exact:

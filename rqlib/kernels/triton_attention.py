@@ -97,18 +97,20 @@ def exact_values(x_ptr, slots, stride_s, key_mask, width, col0, BLOCK_V: tl.cons
 
 @triton.jit
 def wrap(slots, capacity):
-    """``slots % capacity`` for ``0 <= slots < 3 * capacity``: two conditional subtractions
+    """``slots % capacity`` for ``0 <= slots < 2 * capacity``: one conditional subtraction
     instead of an integer division (about 20 instructions per element)."""
-    slots = tl.where(slots >= capacity, slots - capacity, slots)
     return tl.where(slots >= capacity, slots - capacity, slots)
 
 
 @triton.jit
 def ring_slots(first_slot, capacity, BLOCK_S: tl.constexpr):
-    """Ring slots of the BLOCK_S keys of a tile whose first key is in slot ``first_slot``.
-    A loop keeps ``first_slot`` up to date with :func:`wrap` (one division before the loop,
-    none per key); both wraps need ``capacity >= BLOCK_S / 2``, which
-    ``limits.check_state`` ensures."""
+    """Ring slots of the BLOCK_S keys of a tile whose first key is in slot ``first_slot``
+    (``< capacity``). One :func:`wrap` serves every key the tile reads: a ring holds at most
+    ``capacity`` consecutive positions, so the tile's keys in range lie fewer than ``capacity``
+    past its first; the slots of keys out of range may be wrong and are never read (their loads
+    are masked). A loop carries ``first_slot`` from tile to tile with :func:`wrap` too: a loop
+    that runs past its first tile reads more than BLOCK_S keys, so its ring has more than
+    BLOCK_S slots. One division before the loop, none per key."""
     return wrap(first_slot + tl.arange(0, BLOCK_S), capacity)
 
 
