@@ -133,6 +133,13 @@ CASES = [
         mean=True,
     ),
     Case("sliding layer with band and sink", band=8, n_sink=1, window=3, sliding=5, mean=True),
+    Case(
+        "a band longer than a key tile, in a ring that wraps",
+        band=8,
+        n_sink=1,
+        window=20,
+        steps=((0, 30), (30, 31), (31, 32), (32, 36), (36, 37)),
+    ),
     Case("dense mask", band="exact", n_sink=1, window=4, dense=True),
 ]
 
