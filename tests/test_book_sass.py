@@ -46,18 +46,20 @@ def test_one_tile_counts_the_nested_loop_trips_times():
         sass.parse_sass("nothing here")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 256])
 def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     count = sass.compile_decode_path(90, head_dim, 3, 3, 16, 4)
     threads = 32 * count.warps
     # scores: BLOCK_ROWS x BLOCK_S x d products; weighted values: BLOCK_ROWS x BLOCK_S x BLOCK_V
-    # (BLOCK_V = d at these head dims); a few more FFMA come from the softmax (at most 5 %)
+    # (BLOCK_V = d at these head dims); a few more FFMA come from the softmax (at most 5 %).
+    # At head_dim 64 the scores take one step, at 256 a loop of chunks (limits.attention_chunk)
     products = 2 * geo.BLOCK_ROWS * count.keys * head_dim // threads
     print(f"head_dim {head_dim}: {count.per_tile['FFMA']} FFMA a tile, {products} products")
     assert products <= count.per_tile["FFMA"] <= 1.05 * products
-    assert count.trips == head_dim // geo.ATTENTION_CHUNK > 1
-    missing_trips = sass.tile_counts(list(count.instructions), trips=1)
-    assert missing_trips["FFMA"] < products  # the check rejects a count without the trips
+    assert count.trips == head_dim // geo.attention_chunk(geo.value_block(head_dim))
+    if count.trips > 1:  # head_dim 256: the scores walk the coordinates in chunks
+        missing_trips = sass.tile_counts(list(count.instructions), trips=1)
+        assert missing_trips["FFMA"] < products  # the check rejects a count without the trips
     by_class = count.by_class()
     assert sum(by_class.values()) == pytest.approx(count.warp_instructions_per_key)
     lines = count.by_source(top=1000)

@@ -64,11 +64,7 @@ KEY_POINTERS = {
     "rnorms_ptr": "fp16",
 }
 SCORES_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.SCORES_BLOCK_S, "CHUNK": geo.CHUNK}
-ATTENTION_TILE = {
-    "BLOCK_ROWS": geo.BLOCK_ROWS,
-    "BLOCK_S": geo.ATTENTION_BLOCK_S,
-    "CHUNK": geo.ATTENTION_CHUNK,
-}
+ATTENTION_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.ATTENTION_BLOCK_S}
 #: the recent band's (key, value) formats as codes: none or exact, keys only (values exact),
 #: both; exact keys with coded values are compiled too, which the cache never builds
 BAND_CODES = ((False, False), (True, False), (True, True), (False, True))
@@ -111,6 +107,7 @@ def specializations() -> list[Specialization]:
                     "BAND_VALUE_CODES": band_values,
                     "BLOCK_V": block,
                     **ATTENTION_TILE,
+                    "CHUNK": geo.attention_chunk(block),
                 }
                 specs.append(
                     Specialization(

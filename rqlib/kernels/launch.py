@@ -327,7 +327,7 @@ def attention(
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
-        CHUNK=geo.ATTENTION_CHUNK,
+        CHUNK=geo.attention_chunk(block_v),
         num_warps=geo.NUM_WARPS,
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,

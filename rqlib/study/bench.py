@@ -281,13 +281,16 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     return results
 
 
-# (ATTENTION_BLOCK_S, ATTENTION_CHUNK, NUM_WARPS) candidates, the defaults first; every block
-# dimension stays >= 16 for tl.dot.
-TILE_CANDIDATES = ((16, 16, 8), (16, 32, 8), (16, 16, 4), (32, 16, 8), (32, 32, 8), (64, 16, 8))
+# (ATTENTION_BLOCK_S, CHUNK, NUM_WARPS) candidates, the defaults first; CHUNK 0 takes
+# limits.attention_chunk's choice for the accumulator width. Every block dimension stays >= 16
+# for tl.dot.
+TILE_CANDIDATES = ((16, 0, 8), (16, 16, 8), (16, 32, 8), (16, 0, 4), (32, 0, 8), (64, 16, 8))
 
 
 def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
     """Time the packed-K/V attention for each TILE_CANDIDATES entry, checking each is correct.
+    Candidates other than the defaults are compiled just in time and may spill registers
+    (``tests/test_kernels_aot.py`` checks the defaults).
 
     Returns (BLOCK_S, CHUNK, warps, milliseconds, relative error vs torch) per candidate.
     """
@@ -302,13 +305,14 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     small = decode_layer(key_qz, value_qz, k[:, :, :777], v[:, :, :777], n_sink=0, band=0)
     expected = decode_step(small, q, scale, "torch")
     nbytes = batch * kv_heads * kv_len * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
-    defaults = (geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNK, geo.NUM_WARPS)
-    print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (defaults {defaults})")
+    defaults = (geo.ATTENTION_BLOCK_S, dict(geo.ATTENTION_CHUNKS), geo.NUM_WARPS)
+    print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (CHUNK 0: {defaults[1]})")
     print(f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'time us':>9} {'GB/s':>7} {'rel err':>8}")
     rows = []
     try:
         for block_s, chunk, warps in TILE_CANDIDATES:
-            geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNK, geo.NUM_WARPS = block_s, chunk, warps
+            geo.ATTENTION_BLOCK_S, geo.NUM_WARPS = block_s, warps
+            geo.ATTENTION_CHUNKS = {b: chunk or defaults[1][b] for b in defaults[1]}
             got = decode_step(small, q, scale)
             error = float((got - expected).abs().max() / expected.abs().max())
             ms = triton.testing.do_bench(lambda: decode_step(layer, q, scale), warmup=25, rep=100)
@@ -318,7 +322,7 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
             )
             rows.append((block_s, chunk, warps, ms, error))
     finally:
-        geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNK, geo.NUM_WARPS = defaults
+        geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNKS, geo.NUM_WARPS = defaults
     return rows
 
 
