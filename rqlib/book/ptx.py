@@ -31,6 +31,7 @@ from pathlib import Path
 __all__ = [
     "CompiledPTX",
     "annotate",
+    "compile_env",
     "compile_ptx",
     "fold",
     "inner_loop",
@@ -62,6 +63,14 @@ class CompiledPTX:
     seconds: float
 
 
+def compile_env() -> dict[str, str]:
+    """The environment of a compile subprocess: this one's without ``TRITON_INTERPRET`` (the
+    kernels must be real ``JITFunction`` objects)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, stated to silence its warning
+    return env
+
+
 def compile_ptx(label: str, arch: int = 90, *, timeout: float = 300.0) -> CompiledPTX:
     """Compile the specialization whose label is ``label`` for ``sm_<arch>``, in a subprocess
     without ``TRITON_INTERPRET`` (no GPU or driver is needed).
@@ -70,8 +79,7 @@ def compile_ptx(label: str, arch: int = 90, *, timeout: float = 300.0) -> Compil
     """
     if not isinstance(label, str) or not label:
         raise ValueError(f"label must be a specialization label, got {label!r}")
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, stated to silence its warning
+    env = compile_env()
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "kernel.ptx"
         started = time.perf_counter()

@@ -20,9 +20,9 @@ instructions come from the machine code (SASS) that ptxas produces for the atten
    :func:`issue_budget` gives the warp instructions per key that a GPU can issue while its
    HBM delivers the key's bytes.
 
-These are static counts: a predicated-off instruction counts as issued (it is), latencies,
-and the rates of the execution units are ignored, and only the main loop is
-counted (the sink and the recent band add a constant per step). They bound how fast the step
+These are static counts: a predicated-off instruction counts as issued (it is); latencies and
+the rates of the execution units are ignored; only the main loop is counted (the sink and the
+recent band add a constant per step). They bound how fast the step
 can be from below; a GPU measures how fast it is.
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -46,6 +45,7 @@ __all__ = [
     "compile_decode_path",
     "decode_path_constants",
     "issue_budget",
+    "issue_rate",
     "issue_summary",
     "parse_sass",
     "tile_counts",
@@ -213,15 +213,24 @@ def _source_text(where: str | None) -> str:
     return lines[int(line) - 1].strip() if 0 < int(line) <= len(lines) else ""
 
 
+#: warp schedulers per SM, each issuing at most one warp instruction per clock (sm_80 - sm_100)
+SCHEDULERS_PER_SM = 4
+
+
+def issue_rate(sm_count: int, clock_ghz: float) -> float:
+    """Warp instructions a GPU issues per nanosecond at best."""
+    return sm_count * SCHEDULERS_PER_SM * clock_ghz
+
+
 def issue_budget(bytes_per_key: float, hbm_gbs: float, sm_count: int, clock_ghz: float) -> float:
-    """Warp instructions per key a GPU can issue while its HBM delivers ``bytes_per_key``: each
-    SM has four schedulers that issue one warp instruction per clock at best."""
+    """Warp instructions per key a GPU can issue while its HBM delivers ``bytes_per_key``
+    (:func:`issue_rate` times the nanoseconds HBM takes for them)."""
     if min(bytes_per_key, hbm_gbs, sm_count, clock_ghz) <= 0:
         raise ValueError(
             f"need positive bytes, bandwidth, SM count and clock, got {bytes_per_key}, "
             f"{hbm_gbs}, {sm_count}, {clock_ghz}"
         )
-    return sm_count * 4 * clock_ghz * bytes_per_key / hbm_gbs
+    return issue_rate(sm_count, clock_ghz) * bytes_per_key / hbm_gbs
 
 
 def issue_summary(
@@ -251,7 +260,7 @@ def issue_summary(
     fma = classes["fp32 multiply-add (FFMA)"]
     padded = 1 - min(rows, geo.BLOCK_ROWS) / geo.BLOCK_ROWS
     budget_packed = issue_budget(packed_bytes, hbm_gbs, sm_count, clock_ghz)
-    issue_ns = per_key / (sm_count * 4 * clock_ghz)
+    issue_ns = per_key / issue_rate(sm_count, clock_ghz)
     return {
         "per_key": per_key,
         "budget_packed": budget_packed,
@@ -317,8 +326,9 @@ def compile_decode_path(
 
     Raises ``RuntimeError`` with the end of the compiler's stderr when the compile fails.
     """
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, stated to silence its warning
+    from rqlib.book.ptx import compile_env
+
+    env = compile_env()
     arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits, group)]
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "kernel.sass"
