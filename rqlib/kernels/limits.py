@@ -33,9 +33,9 @@ SUPPORTED_EXACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHUNK = 32  # coordinates per inner step (codes, signs, exact keys) of scores and quantize
 ATTENTION_CHUNK = 16  # the same in the attention kernel at 256 accumulator columns
 #: coordinates per step of the attention kernel's scores, by accumulator width (BLOCK_V): a
-#: whole head of up to 128 coordinates in one step, so that the scores need no inner loop
-#: (counted with rqlib.book.sass: about 12 % fewer instructions per key at head_dim 128);
-#: ATTENTION_CHUNK at 256 columns, where wider steps spill registers
+#: whole head of up to 128 coordinates in one step, so that the scores need no inner loop and
+#: the query tile is read once a tile (fewer instructions per key: count them with
+#: rqlib.book.sass); ATTENTION_CHUNK at 256 columns, where wider steps spill registers
 ATTENTION_CHUNKS = {64: 64, 128: 128, 256: ATTENTION_CHUNK}
 SCORES_BLOCK_S = 32  # keys per fused_scores tile
 ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)

@@ -98,7 +98,8 @@ def exact_values(x_ptr, slots, stride_s, key_mask, width, col0, BLOCK_V: tl.cons
 @triton.jit
 def wrap(slots, capacity):
     """``slots % capacity`` for ``0 <= slots < 2 * capacity``: one conditional subtraction
-    instead of an integer division (about 20 instructions per element)."""
+    instead of an integer division, which a GPU computes in a sequence of instructions per
+    element."""
     return tl.where(slots >= capacity, slots - capacity, slots)
 
 
