@@ -1,10 +1,12 @@
 """Instructions per key of the compiled decode step (rqlib.book.sass), counted without a GPU.
 
 The listing parser and the loop count are checked on a hand-written listing whose counts are
-known. The compiled count is checked against what the tile must do: the scores and the
-weighted values of BLOCK_ROWS rows and BLOCK_S keys are IEEE fp32 ``tl.dot`` products, which
-ptxas turns into one FFMA per product and thread. A count that missed the trips of the loop
-over the coordinates (the scores' chunks) finds far fewer, and the test shows that it fails.
+known. The compiled count is checked against what the tile must do: the scores of BLOCK_ROWS
+rows and BLOCK_S keys are IEEE fp32 ``tl.dot`` products, which ptxas turns into one FFMA per
+product and thread; the weighted values are two tf32 tensor-core products (``exact_dot``), one
+``HMMA.1688`` (16 x 8 x 8 multiply-adds) per warp for each 16 x 8 x 8 block of the tile and
+each part, with no warp repeating another's. A count that missed the trips of the loop over the
+coordinates (the scores' chunks) finds far fewer FFMA, and the test shows that it fails.
 """
 
 from __future__ import annotations
@@ -50,12 +52,16 @@ def test_one_tile_counts_the_nested_loop_trips_times():
 def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     count = sass.compile_decode_path(90, head_dim, 3, 3, 16, 4)
     threads = 32 * count.warps
-    # scores: BLOCK_ROWS x BLOCK_S x d products; weighted values: BLOCK_ROWS x BLOCK_S x BLOCK_V
-    # (BLOCK_V = d at these head dims); a few more FFMA come from the softmax (at most 5 %).
-    # At head_dim 64 the scores take one step, at 256 a loop of chunks (limits.attention_chunk)
-    products = 2 * geo.BLOCK_ROWS * count.keys * head_dim // threads
+    # scores: BLOCK_ROWS x BLOCK_S x d products; the softmax and softcap of the thread's (row,
+    # key) pairs add a few FFMA a tile (at most 8). At head_dim 64 the scores take one step, at
+    # 256 a loop of chunks (limits.attention_chunk)
+    products = geo.BLOCK_ROWS * count.keys * head_dim // threads
+    # weighted values: BLOCK_ROWS x BLOCK_S x BLOCK_V (= d here) products, twice (two parts)
+    tensor = 2 * geo.BLOCK_ROWS * count.keys * head_dim // (16 * 8 * 8 * count.warps)
     print(f"head_dim {head_dim}: {count.per_tile['FFMA']} FFMA a tile, {products} products")
-    assert products <= count.per_tile["FFMA"] <= 1.05 * products
+    print(f"{count.per_tile.get('HMMA', 0)} HMMA a tile and warp, {tensor} blocks")
+    assert products <= count.per_tile["FFMA"] <= products + 8
+    assert count.per_tile.get("HMMA", 0) == tensor
     assert count.trips == head_dim // geo.attention_chunk(geo.value_block(head_dim))
     if count.trips > 1:  # head_dim 256: the scores walk the coordinates in chunks
         missing_trips = sass.tile_counts(list(count.instructions), trips=1)
@@ -90,7 +96,7 @@ def test_issue_summary_of_a_known_count():
     assert summary["ratio"] == pytest.approx(320 / 52.8)
     assert summary["fma_share"] == 0.5 and summary["int_share"] == 0.25
     assert summary["padding_share"] == 0.5 * 12 / 16  # 4 rows padded to 16
-    assert summary["fma_floor"] == 2 * 4 * 128 / 32
+    assert summary["fma_floor"] == 4 * 128 / 32  # the scores' products
     # 320 instructions at 132 x 4 x 2 GHz take 0.303 ns; 500 bytes at 2 TB/s take 0.25 ns
     assert summary["vs_fp16"] == pytest.approx(320 / 1056 / 0.25)
 

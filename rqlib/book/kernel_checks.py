@@ -8,6 +8,10 @@ starting as NaN so that an element a kernel forgot to write shows up as an error
 with ``Quantizer.inner_product``; :func:`attention_check` compares ``rqlib.kernels.attention``
 over a cache layer (packed keys and values, exact sink and recent tokens) with the float64 torch
 implementation, for a prompt and for a decode step. Both return the maximum relative errors.
+:func:`exact_dot_check` measures the tensor-core products of the weighted values
+(``exact_dot``) against float64, next to a single tf32 product. On a CPU every check runs the
+kernels in the interpreter, which then rounds tf32 inputs as a tensor core does
+(:func:`rqlib.kernels.interpreter.tf32_like_tensor_cores`).
 :func:`byte_table` is the byte-count model of ``rqlib.study.bench`` for several key bit widths;
 :func:`benchmark` times the kernels on a GPU.
 
@@ -17,6 +21,7 @@ Import this module after ``TRITON_INTERPRET`` is set (on a CPU): it imports ``rq
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -24,11 +29,15 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+import triton
+import triton.language as tl
 
 from rqlib import kernels
 from rqlib.book.checks import relative_error
-from rqlib.core.quantizers import make_quantizer
+from rqlib.core.quantizers import make_quantizer, round_to_tf32
 from rqlib.kernels import reference
+from rqlib.kernels.interpreter import tf32_like_tensor_cores
+from rqlib.kernels.triton_common import exact_dot, tf32_parts
 from rqlib.study import bench
 
 __all__ = [
@@ -39,8 +48,10 @@ __all__ = [
     "benchmark",
     "byte_table",
     "attention_check",
+    "exact_dot_check",
     "scores_check",
     "split_examples",
+    "tf32_products",
     "tolerance",
 ]
 
@@ -170,6 +181,11 @@ def _gaussian(generator: torch.Generator, device: str, *shape: int) -> torch.Ten
     return torch.randn(*shape, generator=generator).to(device)
 
 
+def _like_a_gpu(device: str):
+    """On a CPU, the interpreter's tf32 dots round like a tensor core; on a GPU, nothing to do."""
+    return tf32_like_tensor_cores() if device == "cpu" else contextlib.nullcontext()
+
+
 def _poisoned() -> None:
     """Make every output and scratch buffer of the Triton launches start as NaN."""
     from rqlib.kernels import launch
@@ -192,7 +208,8 @@ def scores_check(head_dim: int, bits: int, group: int, seed: int, device: str) -
     q = _gaussian(generator, device, shape.batch, shape.kv_heads * group, shape.q_len, head_dim)
     scale = head_dim**-0.5
     started = time.perf_counter()
-    scores = kernels.fused_scores(q, keys, scale=scale, backend="triton")
+    with _like_a_gpu(device):
+        scores = kernels.fused_scores(q, keys, scale=scale, backend="triton")
     seconds = time.perf_counter() - started
     exact64 = reference.fused_scores(q.double(), keys, scale=scale, dtype=torch.float64)
     per_query_head = keys.map(lambda t: t.repeat_interleave(group, dim=1).unsqueeze(2))
@@ -232,13 +249,66 @@ def attention_check(
         chunk = dataclasses.replace(state, start=state.end - q_len)
         started = time.perf_counter()
         # a short partition: several splits even at this short length
-        out = kernels.attention(
-            chunk, q, mask, scale=scale, backend="triton", partition=s.partition
-        )
+        with _like_a_gpu(device):
+            out = kernels.attention(
+                chunk, q, mask, scale=scale, backend="triton", partition=s.partition
+            )
         seconds += time.perf_counter() - started
         exact = reference.attention(chunk, q.double(), mask, scale=scale, dtype=torch.float64)
         errors[name] = relative_error(out, exact)
     return {**errors, "splits": math.ceil(s.decode_kv_len / s.partition), "seconds": seconds}
+
+
+@triton.jit
+def _tf32_products_kernel(
+    x_ptr, y_ptr, exact_ptr, plain_ptr, hi_ptr, lo_ptr,
+    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+):  # fmt: skip
+    rows, inner, cols = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    x = tl.load(x_ptr + rows[:, None] * K + inner[None, :])
+    y = tl.load(y_ptr + inner[:, None] * N + cols[None, :])
+    out = rows[:, None] * N + cols[None, :]
+    tl.store(exact_ptr + out, exact_dot(x, y, tl.zeros((M, N), dtype=tl.float32)))
+    tl.store(plain_ptr + out, tl.dot(x, y, input_precision="tf32"))
+    hi, lo = tf32_parts(x)
+    tl.store(hi_ptr + rows[:, None] * K + inner[None, :], hi)
+    tl.store(lo_ptr + rows[:, None] * K + inner[None, :], lo)
+
+
+def tf32_products(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``x @ y`` for float32 ``x`` ``[M, K]`` and ``y`` ``[K, N]`` (M, K, N powers of two, at
+    least 16) in one Triton program: ``"exact"`` by ``exact_dot``, ``"plain"`` by one tf32
+    ``tl.dot``, and ``tf32_parts(x)`` as ``"hi"`` and ``"lo"``. On a CPU the interpreter rounds
+    like a tensor core."""
+    (m, k), n = x.shape, y.shape[1]
+    result = {name: x.new_empty(m, n) for name in ("exact", "plain")}
+    result.update({name: x.new_empty(m, k) for name in ("hi", "lo")})
+    with _like_a_gpu(x.device.type):
+        _tf32_products_kernel[(1,)](
+            x, y, result["exact"], result["plain"], result["hi"], result["lo"], m, k, n
+        )
+    return result
+
+
+def exact_dot_check(seed: int, device: str, m: int = 16, k: int = 64, n: int = 16) -> dict:
+    """``exact_dot`` and a single tf32 ``tl.dot`` of a float32 ``x`` (magnitudes spread over
+    several octaves) and a ``y`` of tf32 numbers (as the centroids are), against float64. Returns
+    the largest ratio of each one's error to the entrywise bound ``(2^-20 + K 2^-24) sum |x||y|``
+    (``exact_dot`` must stay at or below 1) and the largest error of each relative to the
+    largest product."""
+    generator = torch.Generator().manual_seed(seed)
+    spread = torch.exp(2 * torch.randn(m, k, generator=generator))
+    x = torch.randn(m, k, generator=generator) * spread
+    y = round_to_tf32(torch.randn(k, n, generator=generator))
+    got = tf32_products(x.to(device), y.to(device))
+    expected = x.double() @ y.double()
+    bound = (2.0**-20 + k * 2.0**-24) * (x.double().abs() @ y.double().abs())
+    result = {}
+    for name in ("exact", "plain"):
+        error = (got[name].cpu().double() - expected).abs()
+        result[f"{name}_over_bound"] = float((error / bound).max())
+        result[f"{name}_error"] = float(error.max() / expected.abs().max())
+    return result
 
 
 def benchmark(args: argparse.Namespace, device: str = "cuda") -> pd.DataFrame:

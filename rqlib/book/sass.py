@@ -54,9 +54,10 @@ __all__ = [
 #: Opcode classes (the opcode before its first ``.``); anything else counts as "other".
 CLASSES = {
     "fp32 multiply-add (FFMA)": {"FFMA"},
+    "tensor-core products (HMMA)": {"HMMA"},
     "other floating point": {
         "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "MUFU", "HADD2", "HFMA2", "HMUL2", "F2F",
-        "F2FP", "I2F", "F2I", "FCHK", "HMMA",
+        "F2FP", "I2F", "F2I", "FCHK",
     },
     "global loads": {"LDG"},
     "shared memory and barriers": {"LDS", "STS", "LDSM", "STSM", "BAR"},
@@ -248,9 +249,10 @@ def issue_summary(
     ``packed_bytes`` or ``fp16_bytes`` (a key and a value in each format); their ``ratio``
     (count / packed budget); the shares of fp32 multiply-adds, of the multiply-adds spent on
     rows padded from ``rows`` (the group of a decode step) to the 16 of ``tl.dot``, and of integer
-    arithmetic; ``fma_floor``: the warp instructions of the multiply-adds a key needs on CUDA
-    cores without any padding (``rows`` scores and ``rows`` weighted values of ``head_dim``
-    coordinates, one FFMA each, 32 lanes a warp); and ``vs_fp16``: the step's issue floor
+    arithmetic; ``fma_floor``: the warp instructions of the multiply-adds a key's scores need on
+    CUDA cores without any padding (``rows`` scores of ``head_dim`` coordinates, one FFMA each,
+    32 lanes a warp; the weighted values run on tensor cores); and ``vs_fp16``: the step's issue
+    floor
     (nanoseconds at one instruction per scheduler and clock) over the time to read the fp16
     key and value at the HBM rate."""
     from rqlib.kernels import limits as geo
@@ -269,7 +271,7 @@ def issue_summary(
         "fma_share": fma / per_key,
         "padding_share": fma * padded / per_key,
         "int_share": classes["integer and address arithmetic"] / per_key,
-        "fma_floor": 2 * rows * head_dim / 32,
+        "fma_floor": rows * head_dim / 32,
         "ns_per_key": issue_ns,
         "vs_fp16": issue_ns / (fp16_bytes / hbm_gbs),
     }

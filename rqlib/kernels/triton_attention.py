@@ -21,6 +21,12 @@ and the values weighted in place: codes accumulate ``p ||v|| c[codes]`` in the v
 rotated space, exact vectors in the model's coordinates. Nothing is ever decoded to a value
 vector per key; the rotations back happen once per query after the reduce.
 
+Precision: the products of codes with weights run on tf32 tensor cores without rounding
+anything (:func:`~rqlib.kernels.triton_common.exact_dot`): the centroids are tf32 numbers (the
+codebooks store them so, in every path) and ``p ||v||`` is split into two tf32 parts, so the
+weighted values agree with float32 arithmetic. The scores, and every product with exact
+vectors, are IEEE fp32 on the CUDA cores.
+
 The kernel is shaped so that no specialization spills registers (``tests/test_kernels_aot.py``
 compiles each for sm_80 and sm_90): a run-time branch inside a loop keeps the registers of both
 sides live, so the mask, the window and the softcap are selected arithmetically, and the band's
@@ -52,7 +58,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rqlib.kernels.triton_common import code_scores, exact_scores, load_codes, sign_scores
+from rqlib.kernels.triton_common import (
+    code_scores,
+    exact_dot,
+    exact_scores,
+    load_codes,
+    sign_scores,
+)
 
 
 @triton.jit
@@ -73,16 +85,16 @@ def load_norms(row_ptr, slots, width, valid, nbytes):
 
 @triton.jit
 def code_values(
-    codes_ptr, slots, stride_s, key_mask, bits, code_bytes, centroids_ptr, width, norms, col0,
+    codes_ptr, slots, stride_s, key_mask, bits, code_bytes, centroids_ptr, width, col0,
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """``||v|| c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
-    ``[BLOCK_S, BLOCK_V]``."""
+    """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
+    ``[BLOCK_S, BLOCK_V]`` (tf32 numbers: the codebooks store them so)."""
     cols = col0 + tl.arange(0, BLOCK_V)
     v_mask = key_mask[:, None] & (cols < width)[None, :]
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     codes = load_codes(rows_ptr, cols, v_mask, bits, code_bytes)
-    return tl.load(centroids_ptr + codes, mask=v_mask, other=0.0) * norms[:, None]
+    return tl.load(centroids_ptr + codes, mask=v_mask, other=0.0)
 
 
 @triton.jit
@@ -174,13 +186,14 @@ def softmax_step(scores, visible, scale, softcap, m_i, l_i, acc):
 
 @triton.jit
 def store_partial(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, slot, row_mask, m_i, l_i, acc, col0,
-    acc_width, BLOCK_V: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, split, slot, row_mask, m_i, l_i, acc,
+    col0, acc_width, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """Write one stream's (m, l, acc) of the rows ``out_rows`` (row x split) to ``slot``: the
+    """Write one stream's (m, l, acc) of the rows ``q_rows`` and ``split`` to ``slot``: the
     accumulator's columns ``col0 ..`` of ``acc_width``; (m, l) by the first column block only
     (every block computes the same)."""
-    index = out_rows * 3 + slot
+    # computed here, not before the loops: an index live across them would take registers
+    index = (q_rows * n_splits + split) * 3 + slot
     first_block = as_mask(row_mask & (col0 == 0))
     tl.store(part_m_ptr + index, m_i, mask=first_block)
     tl.store(part_l_ptr + index, l_i, mask=first_block)
@@ -245,7 +258,6 @@ def attention_kernel(
     rows = pid_rows * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     q_rows = pid_bh.to(tl.int64) * n_rows + rows  # index into the query-side arrays
-    out_rows = q_rows * n_splits + pid_split  # index into the partial results
     positions = start + rows // group  # query position of each row
     mask_b = mask_ptr + b * stride_mb
 
@@ -311,16 +323,17 @@ def attention_kernel(
         p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
         if v_exact != 0:
             v_tile = exact_values(v_x, slots, stride_vxs, in_range, head_dim, v_col0, BLOCK_V)
-        else:
+            acc = tl.dot(p, v_tile, acc, input_precision="ieee")
+        else:  # sum_j (p_j ||v_j||) c_j, the products on tensor cores
             v_norms_tile = load_norms(v_norms, slots, v_width, in_range, v_norm_bytes)
-            v_tile = code_values(
+            centroids = code_values(
                 v_codes, slots, stride_vcs, in_range, v_bits, v_code_bytes, v_centroids_ptr,
-                v_dim, v_norms_tile, v_col0, BLOCK_V,
+                v_dim, v_col0, BLOCK_V,
             )  # fmt: skip
-        acc += tl.dot(p, v_tile, input_precision="ieee")
+            acc = exact_dot(p * v_norms_tile[None, :], centroids, acc)
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 0, row_mask, m_i, l_i, acc, v_col0,
-        acc_width, BLOCK_V,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 0, row_mask, m_i, l_i,
+        acc, v_col0, acc_width, BLOCK_V,
     )  # fmt: skip
 
     # 2. the recent band: keys i - band < j <= i after the sink
@@ -362,18 +375,19 @@ def attention_kernel(
         p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
         if BAND_VALUE_CODES:
             v_norms_tile = load_norms(bv_norms, slots, bv_width, in_range, bv_norm_bytes)
-            v_tile = code_values(
+            centroids = code_values(
                 bv_codes, slots, stride_bvcs, in_range, bv_bits, bv_code_bytes, bv_centroids_ptr,
-                bv_dim, v_norms_tile, v_col0, BLOCK_V,
+                bv_dim, v_col0, BLOCK_V,
             )  # fmt: skip
+            acc = exact_dot(p * v_norms_tile[None, :], centroids, acc)
         else:
             v_tile = exact_values(
                 bv_x, keys % bv_cap, stride_bvxs, in_range, head_dim, v_col0, BLOCK_V
             )
-        acc += tl.dot(p, v_tile, input_precision="ieee")
+            acc = tl.dot(p, v_tile, acc, input_precision="ieee")
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 1, row_mask, m_i, l_i, acc, v_col0,
-        acc_width, BLOCK_V,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 1, row_mask, m_i, l_i,
+        acc, v_col0, acc_width, BLOCK_V,
     )  # fmt: skip
 
     # 3. the sink: keys j < n_sink, exact
@@ -396,10 +410,10 @@ def attention_kernel(
         v_tile = exact_values(
             sink_v, keys % sv_cap, stride_svs, in_range, head_dim, v_col0, BLOCK_V
         )
-        acc += tl.dot(p, v_tile, input_precision="ieee")
+        acc = tl.dot(p, v_tile, acc, input_precision="ieee")
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, out_rows, 2, row_mask, m_i, l_i, acc, v_col0,
-        acc_width, BLOCK_V,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 2, row_mask, m_i, l_i,
+        acc, v_col0, acc_width, BLOCK_V,
     )  # fmt: skip
 
 

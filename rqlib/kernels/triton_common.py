@@ -84,6 +84,28 @@ def query_chunk(q_ptr, q_rows, row_mask, dim, cols, col_mask):
 
 
 @triton.jit
+def tf32_parts(x):
+    """``(hi, lo)``, float32 tensors of tf32 numbers (10 mantissa bits, the low 13 cleared) with
+    ``|x - hi - lo| < 2^-20 |x|``: ``hi`` keeps the leading 11 significant bits of ``x``, ``lo``
+    those of the rest (the format's torch side: :func:`rqlib.core.quantizers.round_to_tf32`)."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    lo = ((x - hi).to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, lo
+
+
+@triton.jit
+def exact_dot(x, y, acc):
+    """``acc + x @ y`` on tf32 tensor cores for a ``y`` of tf32 numbers, to float32 accuracy:
+    one product per part of ``x`` (:func:`tf32_parts`). A tensor core reads the parts and ``y``
+    without rounding and multiplies them exactly; only ``x``'s bits beyond the two parts
+    (``< 2^-20 |x|``) and the float32 accumulation are lost, where one tf32 product would lose
+    ``2^-11 |x|``."""
+    hi, lo = tf32_parts(x)
+    acc = tl.dot(hi, y, acc, input_precision="tf32")
+    return tl.dot(lo, y, acc, input_precision="tf32")
+
+
+@triton.jit
 def code_scores(
     q_ptr, q_rows, row_mask, dim, codes_ptr, slots, stride_s, key_mask, bits, code_bytes,
     centroids_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
