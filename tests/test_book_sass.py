@@ -3,9 +3,9 @@
 The listing parser and the loop count are checked on a hand-written listing whose counts are
 known. The compiled count is checked against what the tile must do: the scores of BLOCK_ROWS
 rows and BLOCK_S keys are IEEE fp32 ``tl.dot`` products, which ptxas turns into one FFMA per
-product and thread; the weighted values are two tf32 tensor-core products (``exact_dot``), one
-``HMMA.1688`` (16 x 8 x 8 multiply-adds) per warp for each 16 x 8 x 8 block of the tile and
-each part, with no warp repeating another's. A count that missed the trips of the loop over the
+product and thread; the weighted values are three tf32 tensor-core products (``exact_dot``),
+one ``HMMA.1688`` (16 x 8 x 8 multiply-adds) per warp for each 16 x 8 x 8 block of the tile and
+each product, with no warp repeating another's. A count that missed the trips of the loop over the
 coordinates (the scores' chunks) finds far fewer FFMA, and the test shows that it fails.
 """
 
@@ -56,8 +56,8 @@ def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     # key) pairs add a few FFMA a tile (at most 8). At head_dim 64 the scores take one step, at
     # 256 a loop of chunks (limits.attention_chunk)
     products = geo.BLOCK_ROWS * count.keys * head_dim // threads
-    # weighted values: BLOCK_ROWS x BLOCK_S x BLOCK_V (= d here) products, twice (two parts)
-    tensor = 2 * geo.BLOCK_ROWS * count.keys * head_dim // (16 * 8 * 8 * count.warps)
+    # weighted values: BLOCK_ROWS x BLOCK_S x BLOCK_V (= d here) products, three times (parts)
+    tensor = 3 * geo.BLOCK_ROWS * count.keys * head_dim // (16 * 8 * 8 * count.warps)
     print(f"head_dim {head_dim}: {count.per_tile['FFMA']} FFMA a tile, {products} products")
     print(f"{count.per_tile.get('HMMA', 0)} HMMA a tile and warp, {tensor} blocks")
     assert products <= count.per_tile["FFMA"] <= products + 8

@@ -144,23 +144,6 @@ class CompressedVectors:
         )
 
 
-#: float32 mantissa bits that tf32 drops: a tf32 number keeps 10 of the 23
-TF32_DROPPED_BITS = 13
-
-
-def round_to_tf32(values: torch.Tensor) -> torch.Tensor:
-    """``values`` as float32 numbers with 10 mantissa bits (tf32), rounded to nearest, ties
-    away from zero (PTX ``cvt.rna.tf32.f32``). A tensor core reads such a number without
-    rounding it, and multiplies two of them exactly (11 x 11 significant bits fit in float32's
-    24), which lets the fused attention run its products on tensor cores without changing a
-    result (:func:`rqlib.kernels.triton_common.exact_dot`). The codebooks' centroids are
-    stored this way in every path; rounding moves each by at most 2^-11 of its magnitude."""
-    bits = values.to(torch.float32).contiguous().view(torch.int32)
-    half = 1 << (TF32_DROPPED_BITS - 1)
-    rounded = (bits + half) & -(1 << TF32_DROPPED_BITS)  # sign and magnitude: ties away
-    return rounded.view(torch.float32)
-
-
 class Quantizer:
     """A TurboQuant / RotorQuant quantizer for vectors of dimension ``d``.
 
@@ -192,7 +175,7 @@ class Quantizer:
             lloyd_max(d, self.mse_bits, codebook_law) if self.mse_bits else None
         )
         if self.codebook is not None:
-            self.centroids = round_to_tf32(torch.tensor(self.codebook.centroids))
+            self.centroids = torch.tensor(self.codebook.centroids, dtype=torch.float32)
             self.boundaries = torch.tensor(self.codebook.boundaries, dtype=torch.float32)
         else:  # pure QJL (prod with 1 bit): the MSE stage reconstructs zero
             self.centroids = torch.zeros(0)

@@ -6,7 +6,7 @@ float32 inputs to tf32 (10 mantissa bits) before the tensor core multiplies them
 whose correctness rests on that rounding changing nothing
 (:func:`rqlib.kernels.triton_common.exact_dot`) cannot be checked on CPU unless the interpreter
 rounds the same way: :func:`tf32_like_tensor_cores` makes it do so, with the rounding of
-:func:`rqlib.core.quantizers.round_to_tf32`. The test suite runs every kernel under it.
+:func:`round_to_tf32`. The test suite runs every kernel under it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,19 @@ from collections.abc import Iterator
 
 import torch
 
-from rqlib.core.quantizers import round_to_tf32
+__all__ = ["TF32_DROPPED_BITS", "round_to_tf32", "tf32_like_tensor_cores"]
 
-__all__ = ["tf32_like_tensor_cores"]
+#: float32 mantissa bits that tf32 drops: a tf32 number keeps 10 of the 23
+TF32_DROPPED_BITS = 13
+
+
+def round_to_tf32(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as float32 numbers with 10 mantissa bits (tf32), rounded to nearest, ties
+    away from zero: what PTX ``cvt.rna.tf32.f32`` does to a tensor core's float32 input."""
+    bits = values.to(torch.float32).contiguous().view(torch.int32)
+    half = 1 << (TF32_DROPPED_BITS - 1)
+    rounded = (bits + half) & -(1 << TF32_DROPPED_BITS)  # sign and magnitude: ties away
+    return rounded.view(torch.float32)
 
 
 def _rounded(handle, tensor_handle):

@@ -21,11 +21,10 @@ and the values weighted in place: codes accumulate ``p ||v|| c[codes]`` in the v
 rotated space, exact vectors in the model's coordinates. Nothing is ever decoded to a value
 vector per key; the rotations back happen once per query after the reduce.
 
-Precision: the products of codes with weights run on tf32 tensor cores without rounding
-anything (:func:`~rqlib.kernels.triton_common.exact_dot`): the centroids are tf32 numbers (the
-codebooks store them so, in every path) and ``p ||v||`` is split into two tf32 parts, so the
-weighted values agree with float32 arithmetic. The scores, and every product with exact
-vectors, are IEEE fp32 on the CUDA cores.
+Precision: the products of weights ``p ||v||`` with centroids run on tf32 tensor cores with
+float32 accuracy (:func:`~rqlib.kernels.triton_common.exact_dot`: both factors split into two
+tf32 parts, three products). The scores, and every product with exact vectors, are IEEE fp32
+on the CUDA cores.
 
 The kernel is shaped so that no specialization spills registers (``tests/test_kernels_aot.py``
 compiles each for sm_80 and sm_90): a run-time branch inside a loop keeps the registers of both
@@ -89,7 +88,7 @@ def code_values(
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
-    ``[BLOCK_S, BLOCK_V]`` (tf32 numbers: the codebooks store them so)."""
+    ``[BLOCK_S, BLOCK_V]``."""
     cols = col0 + tl.arange(0, BLOCK_V)
     v_mask = key_mask[:, None] & (cols < width)[None, :]
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s

@@ -87,7 +87,7 @@ def query_chunk(q_ptr, q_rows, row_mask, dim, cols, col_mask):
 def tf32_parts(x):
     """``(hi, lo)``, float32 tensors of tf32 numbers (10 mantissa bits, the low 13 cleared) with
     ``|x - hi - lo| < 2^-20 |x|``: ``hi`` keeps the leading 11 significant bits of ``x``, ``lo``
-    those of the rest (the format's torch side: :func:`rqlib.core.quantizers.round_to_tf32`)."""
+    those of the rest (tf32 as :func:`rqlib.kernels.interpreter.round_to_tf32` defines it)."""
     hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
     lo = ((x - hi).to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
     return hi, lo
@@ -95,14 +95,16 @@ def tf32_parts(x):
 
 @triton.jit
 def exact_dot(x, y, acc):
-    """``acc + x @ y`` on tf32 tensor cores for a ``y`` of tf32 numbers, to float32 accuracy:
-    one product per part of ``x`` (:func:`tf32_parts`). A tensor core reads the parts and ``y``
-    without rounding and multiplies them exactly; only ``x``'s bits beyond the two parts
-    (``< 2^-20 |x|``) and the float32 accumulation are lost, where one tf32 product would lose
-    ``2^-11 |x|``."""
-    hi, lo = tf32_parts(x)
-    acc = tl.dot(hi, y, acc, input_precision="tf32")
-    return tl.dot(lo, y, acc, input_precision="tf32")
+    """``acc + x @ y`` of float32 tensors on tf32 tensor cores, to float32 accuracy: both split
+    into their :func:`tf32_parts`, three products ``hi hi + lo hi + hi lo``. A tensor core reads
+    the parts without rounding them and multiplies them exactly (11 x 11 significant bits fit in
+    float32's 24); only ``lo lo`` and the bits beyond the parts are lost, less than
+    ``3 * 2^-20 |x||y|`` a product, where one tf32 product loses up to ``2^-10``."""
+    x_hi, x_lo = tf32_parts(x)
+    y_hi, y_lo = tf32_parts(y)
+    acc = tl.dot(x_hi, y_hi, acc, input_precision="tf32")
+    acc = tl.dot(x_lo, y_hi, acc, input_precision="tf32")
+    return tl.dot(x_hi, y_lo, acc, input_precision="tf32")
 
 
 @triton.jit
