@@ -252,9 +252,8 @@ def issue_summary(
     arithmetic; ``fma_floor``: the warp instructions of the multiply-adds a key's scores need on
     CUDA cores without any padding (``rows`` scores of ``head_dim`` coordinates, one FFMA each,
     32 lanes a warp; the weighted values run on tensor cores); and ``vs_fp16``: the step's issue
-    floor
-    (nanoseconds at one instruction per scheduler and clock) over the time to read the fp16
-    key and value at the HBM rate."""
+    floor (nanoseconds at one instruction per scheduler and clock) over the time to read the
+    fp16 key and value at the HBM rate."""
     from rqlib.kernels import limits as geo
 
     per_key = count.warp_instructions_per_key
