@@ -50,7 +50,7 @@ def test_one_tile_counts_the_nested_loop_trips_times():
 
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
-    count = sass.compile_decode_path(90, head_dim, 3, 3, 16, 4)
+    count = sass.compile_decode_path(90, head_dim, 3, 3, 16)
     threads = 32 * count.warps
     # scores: BLOCK_ROWS x BLOCK_S x d products; the softmax and softcap of the thread's (row,
     # key) pairs add a few FFMA a tile (at most 8). At head_dim 64 the scores take one step, at

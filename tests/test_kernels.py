@@ -16,6 +16,8 @@ the same 1e-5 applies.
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import math
 import sys
@@ -26,7 +28,7 @@ import torch
 from rqlib import kernels
 from rqlib.core.packing import unpack_bits, unpack_signs
 from rqlib.core.quantizers import make_quantizer
-from rqlib.kernels import launch, reference
+from rqlib.kernels import aot, launch, reference
 from rqlib.kernels import limits as geo
 
 pytestmark = pytest.mark.interpreter
@@ -254,36 +256,44 @@ def test_poisoned_buffers_start_as_nan():
     assert bool((launch.empty((5,), torch.uint8, "cpu") == 255).all())
 
 
-def test_aot_list_covers_every_accumulator_width():
-    """Every accumulator width launch.py can pick is in the AOT list, for every exact dtype."""
+def test_aot_list_covers_every_kind_of_layer_format():
+    """The formats are compile-time, so the AOT list is a covering set, not every launch: every
+    accumulator width launch.py can pick, every code width for keys and for values, every band
+    and value kind, QJL, exact streams, and the presets' layout at every head dim and dtype."""
+    specs = [s for s in aot.specializations() if s.kernel == "attention_kernel"]
+    seen = collections.defaultdict(set)
+    for spec in specs:
+        for name, value in spec.constexprs.items():
+            seen[name].add(value)
+        seen["dtype"].add(spec.pointers["v_exact_ptr"])
     widths = {
         geo.value_block(max(d, width))
         for d in geo.SUPPORTED_HEAD_DIMS
         for width in geo.rotated_dims(d)
     }
-    from rqlib.kernels.aot import specializations
-
-    listed = {
-        (
-            s.constexprs["BLOCK_V"],
-            s.pointers["v_exact_ptr"],
-            s.constexprs["BAND_KEY_CODES"],
-            s.constexprs["BAND_VALUE_CODES"],
-        )
-        for s in specializations()
-        if s.kernel == "attention_kernel"
-    }
-    dtypes, flags = ("fp32", "fp16", "bf16"), (False, True)
-    assert listed == set(itertools.product(widths, dtypes, flags, flags))
+    assert seen["BLOCK_V"] == widths
+    assert seen["head_dim"] == set(geo.SUPPORTED_HEAD_DIMS)
+    assert seen["dtype"] == {"fp32", "fp16", "bf16"}
+    code_widths = set(range(1, geo.MAX_MSE_BITS + 1))
+    assert code_widths <= seen["k_bits"] and code_widths <= seen["v_bits"]
+    assert seen["band_k_mode"] == {0, 1, 2} and seen["BAND_VALUE_CODES"] == {0, 1}
+    assert seen["k_exact"] == seen["v_exact"] == seen["k_qjl"] == {0, 1}
+    labels = {spec.label for spec in specs}
+    for d, dtype in itertools.product(geo.SUPPORTED_HEAD_DIMS, seen["dtype"]):
+        codes = functools.partial(geo.StreamFormat, dim=d, norm_width=11)
+        band = codes(bits=8)
+        layout = geo.attention_formats(d, codes(bits=3), codes(bits=2), band, band)
+        assert aot.attention_specialization(layout, dtype).label in labels
 
 
 @pytest.mark.parametrize(
     ("width", "block", "blocks"),
-    [(64, 64, 1), (96, 128, 1), (129, 256, 1), (256, 256, 1), (258, 256, 2), (512, 256, 2)],
+    [(64, 64, 1), (96, 128, 1), (129, 128, 2), (256, 256, 1), (258, 256, 2), (512, 256, 2)],
 )
-def test_wide_accumulators_are_cut_into_blocks_of_256_columns(width, block, blocks):
+def test_wide_accumulators_are_cut_into_blocks(width, block, blocks):
     """A program's accumulator has at most 256 columns (wider ones spill registers): a rotor's
-    258 value columns at head_dim 256 take two programs."""
+    258 value columns at head_dim 256 take two programs. A 256-column block that masks
+    columns spills too, so a rotor's 129 at head_dim 128 takes two blocks of 128."""
     assert (geo.value_block(width), geo.value_blocks(width)) == (block, blocks)
     assert geo.accumulator_width(width) == block * blocks >= width
 

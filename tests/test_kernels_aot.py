@@ -1,7 +1,7 @@
-"""Ahead-of-time compilation of every kernel specialization for real GPUs, without a GPU.
+"""Ahead-of-time compilation of the kernels' specializations for real GPUs, without a GPU.
 
 ``python -m rqlib.kernels.aot`` runs in a subprocess without TRITON_INTERPRET (the kernels must
-be real JITFunctions) and a fresh Triton cache (so every specialization is really compiled,
+be real JITFunctions) and a fresh Triton cache (so each listed specialization is really compiled,
 not read back from an earlier run). It prints one JSON record per (specialization, arch); the
 test fails if any did not produce a cubin or spills registers where it should not, and prints
 registers, spills, shared memory and the theoretical occupancy of each.
@@ -19,10 +19,11 @@ import pytest
 from rqlib.kernels.aot import SM_LIMITS, occupancy, specializations
 
 REQUIRED_ARCHS = {"sm_80", "sm_90"}
-#: Kernels allowed to spill registers to local memory: none. The attention kernel selects its
-#: mask and softcap without branches, compiles the band's formats, cuts accumulators at 256
-#: columns, is not software-pipelined and may take 255 registers a thread (see
-#: rqlib.kernels.triton_attention); a spill in any specialization fails this test.
+#: Kernels allowed to spill registers to local memory: none. The attention kernel compiles each
+#: layer format, selects its mask and softcap without branches, cuts accumulators at 256 columns
+#: (128 when a block of 256 would mask columns), is not software-pipelined and may take 255
+#: registers a thread (see rqlib.kernels.triton_attention); a spill in any specialization of
+#: the list fails this test.
 SPILLING: set[str] = set()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -222,24 +223,26 @@ def recorded(monkeypatch) -> RecordedKernel:
     return recorder
 
 
-def assert_compiled_ahead_of_time(recorder: RecordedKernel) -> None:
-    """Every launch is one of the specializations the AOT test compiles (and checks for
-    spills): the same constexprs, exact-vector dtype, warps, pipeline stages and register cap."""
-    listed = {
-        (
-            tuple(sorted(s.constexprs.items())),
-            s.pointers["sink_k_ptr"],
-            (s.num_warps, s.num_stages, s.maxnreg),
-        )
-        for s in aot.specializations()
-        if s.kernel == "attention_kernel"
-    }
+def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> None:
+    """Every launch is the specialization ``aot.attention_specialization`` builds for its
+    formats: the same compile-time arguments, exact-vector dtype, warps, pipeline stages and
+    register cap, so the AOT test (which checks for spills) compiles what a GPU would launch.
+    With ``listed``, the launch is also one of the specializations that test compiles."""
+    specs = {spec.label for spec in aot.specializations()}
     assert recorder.launches
     for arguments, keywords in recorder.launches:
         options = tuple(keywords.get(name) for name in ("num_warps", "num_stages", "maxnreg"))
-        constexprs = {k: v for k, v in keywords.items() if k.isupper()}
+        constexprs = {
+            k: v for k, v in keywords.items() if k not in ("num_warps", "num_stages", "maxnreg")
+        }
         dtype = aot.TRITON_DTYPES[arguments["sink_k_ptr"].dtype]
-        assert (tuple(sorted(constexprs.items())), dtype, options) in listed
+        layout = {k: v for k, v in constexprs.items() if k not in aot.ATTENTION_TILE}
+        layout = {k: v for k, v in layout.items() if k not in ("BLOCK_V", "CHUNK")}
+        expected = aot.attention_specialization(layout, dtype)
+        assert constexprs == expected.constexprs
+        assert options == (expected.num_warps, expected.num_stages, expected.maxnreg)
+        if listed:
+            assert expected.label in specs, expected.label
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -270,7 +273,7 @@ def test_triton_attention_matches_the_torch_implementation(case, rng, recorded):
         assert relative_error(torch_path, expected) <= TOLERANCE
         if padding is not None and first < 3 and not case.dense:  # pad queries see no key
             assert torch.equal(got[-1, :, : 3 - first], torch.zeros_like(got[-1, :, : 3 - first]))
-    assert_compiled_ahead_of_time(recorded)
+    assert_compiled_ahead_of_time(recorded, listed=case.name == "presets' format")
     if case.sliding is not None:  # tokens beyond the window are evicted, not only masked
         ring = layer.streams["keys"].rings[0]
         from rqlib.hf.cache import SHORT_QUERY
@@ -342,3 +345,36 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
     for bad in (0, -16, 10, 16.0, True):
         with pytest.raises(ValueError, match="partition must be a positive multiple of 16"):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)
+
+
+def test_a_launch_that_spills_registers_warns_once(rng, monkeypatch):
+    """The formats are compile-time, so a GPU can launch a specialization the AOT test did not
+    compile. A launch whose compiled kernel reports spilled registers (what a GPU launch
+    returns; the interpreter returns nothing) warns once per specialization, naming it."""
+
+    class Spilling:
+        n_spills = 12
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launch_(*args, **kwargs)
+                return Spilling()
+
+            launch_ = original[grid]
+            return run
+
+    original = launch.attention_kernel
+    monkeypatch.setattr(launch, "attention_kernel", Launch())
+    monkeypatch.setattr(launch, "_SPILLING", set())
+    d = 64
+    keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
+    layer = CompressedLayer(0, keys, values)
+    layer.active = True
+    layer.update(torch.randn(1, 1, 5, d, generator=rng), torch.randn(1, 1, 5, d, generator=rng))
+    mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
+    with pytest.warns(RuntimeWarning, match=r"k_bits': 3.*spills 12 registers"):
+        kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second launch of the same specialization is quiet
+        kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")

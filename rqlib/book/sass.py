@@ -5,12 +5,12 @@ instruction the step needs for one key in the time HBM takes to deliver that key
 Both sides can be counted without a GPU. The bytes come from the storage format. The
 instructions come from the machine code (SASS) that ptxas produces for the attention kernel:
 
-1. :func:`compile_decode_path` compiles ``attention_kernel`` for ``sm_<arch>`` with the
-   run-time arguments of one decode path fixed as constants (keys and values as codes,
-   no QJL, no mask, causal: :func:`decode_path_constants`), so that the branches it does not
-   take are compiled away. It runs in a subprocess without ``TRITON_INTERPRET``, like
-   :func:`rqlib.book.ptx.compile_ptx`, and disassembles it with the source line of every
-   instruction (``nvdisasm -g``).
+1. :func:`compile_decode_path` compiles the specialization of ``attention_kernel`` that a
+   decode step launches for one layer format (:func:`decode_layout`: keys and values as codes,
+   no QJL; the formats are compile-time, so the branches of other formats are not in it; the
+   mask, window and positions stay run-time arguments, as in a launch). It runs in a
+   subprocess without ``TRITON_INTERPRET``, like :func:`rqlib.book.ptx.compile_ptx`, and
+   disassembles it with the source line of every instruction (``nvdisasm -g``).
 2. :func:`parse_sass` reads the instructions (address, opcode, branch target, source line).
 3. :func:`tile_counts` finds the main stream's loop (the first outermost loop: a backward
    branch) and counts the opcodes of one iteration, which handles ``BLOCK_S`` keys. A loop
@@ -43,7 +43,7 @@ __all__ = [
     "Instruction",
     "IssueCount",
     "compile_decode_path",
-    "decode_path_constants",
+    "decode_layout",
     "issue_budget",
     "issue_rate",
     "issue_summary",
@@ -276,40 +276,25 @@ def issue_summary(
     }
 
 
-def decode_path_constants(
-    head_dim: int, key_bits: int, value_bits: int, norm_bits: int, group: int
-) -> dict:
-    """The run-time arguments of ``attention_kernel`` fixed for one decode path: keys and values
-    stored as codes of the full head dimension (``key_bits`` and ``value_bits`` bits) with
-    ``norm_bits``-bit norms, no QJL, no mask, causal, one value block."""
-    return dict(
-        k_exact=0, k_qjl=0, v_exact=0, has_mask=0, causal=1, window=0, value_blocks=1,
-        group=group, head_dim=head_dim, k_dim=head_dim, v_dim=head_dim, k_bits=key_bits,
-        v_bits=value_bits, k_code_bytes=math.ceil(head_dim * key_bits / 8),
-        v_code_bytes=math.ceil(head_dim * value_bits / 8), k_width=norm_bits, v_width=norm_bits,
-    )  # fmt: skip
-
-
-def _decode_spec(*path: int, exact: str = "fp16"):
-    """The presets' attention specialization (band of codes, ``exact`` sink) at ``head_dim``,
-    with :func:`decode_path_constants` added as constants."""
-    import dataclasses
-
-    from rqlib.kernels import aot
+def decode_layout(head_dim: int, key_bits: int, value_bits: int, norm_bits: int) -> dict:
+    """The formats (:func:`rqlib.kernels.limits.attention_formats`) of a decode path in the
+    presets' layout: keys and values stored as codes of the full head dimension (``key_bits``
+    and ``value_bits`` bits) with ``norm_bits``-bit norms, no QJL, and a recent band of 8-bit
+    codes."""
     from rqlib.kernels import limits as geo
 
-    block = geo.value_block(path[0])
-    spec = next(
-        s
-        for s in aot.specializations()
-        if s.kernel == "attention_kernel"
-        and s.constexprs["BLOCK_V"] == block
-        and s.constexprs["BAND_KEY_CODES"]
-        and s.constexprs["BAND_VALUE_CODES"]
-        and s.pointers["k_exact_ptr"] == exact
-    )
-    constants = decode_path_constants(*path)
-    return dataclasses.replace(spec, constexprs={**spec.constexprs, **constants})
+    def codes(bits):
+        return geo.StreamFormat(dim=head_dim, bits=bits, norm_width=norm_bits)
+
+    return geo.attention_formats(head_dim, codes(key_bits), codes(value_bits), codes(8), codes(8))
+
+
+def _decode_spec(*layout: int, exact: str = "fp16"):
+    """The attention specialization that a decode step of :func:`decode_layout` launches with
+    ``exact`` sink vectors."""
+    from rqlib.kernels import aot
+
+    return aot.attention_specialization(decode_layout(*layout), exact)
 
 
 def compile_decode_path(
@@ -318,11 +303,10 @@ def compile_decode_path(
     key_bits: int,
     value_bits: int,
     norm_bits: int,
-    group: int,
     *,
     timeout: float = 300.0,
 ) -> IssueCount:
-    """Compile the decode path (:func:`decode_path_constants`) of ``attention_kernel`` for
+    """Compile the decode path (:func:`decode_layout`) of ``attention_kernel`` for
     ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET`` and count one main-loop tile.
 
     Raises ``RuntimeError`` with the end of the compiler's stderr when the compile fails.
@@ -330,7 +314,7 @@ def compile_decode_path(
     from rqlib.book.ptx import compile_env
 
     env = compile_env()
-    arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits, group)]
+    arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits)]
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "kernel.sass"
         result = subprocess.run(
@@ -354,12 +338,12 @@ def compile_decode_path(
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS GROUP OUT``:
+    """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS OUT``:
     write the SASS of the decode path, print its tile (keys, chunk, warps) as JSON."""
     from rqlib.kernels import aot
 
-    arch, *path = (int(value) for value in argv[:6])
-    spec = _decode_spec(*path)
+    arch, *layout = (int(value) for value in argv[:5])
+    spec = _decode_spec(*layout)
     compiled = aot.compile_kernel(aot.kernel_objects()[spec.kernel], spec, arch)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
@@ -368,7 +352,7 @@ def _main(argv: list[str]) -> int:
         sass = subprocess.run(
             [str(nvdisasm), "-g", "-c", handle.name], capture_output=True, text=True, check=True
         ).stdout
-    Path(argv[6]).write_text(sass)
+    Path(argv[5]).write_text(sass)
     tile = {"keys": spec.constexprs["BLOCK_S"], "chunk": spec.constexprs["CHUNK"]}
     print(json.dumps({**tile, "warps": spec.num_warps}))
     return 0

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of every kernel specialization the dispatcher can pick.
+"""Ahead-of-time compilation of the kernels' specializations for real GPUs.
 
 No GPU is needed: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs
 the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, and a cubin from the ptxas bundled with
@@ -11,7 +11,9 @@ The kernels must be real ``JITFunction`` objects, so this module refuses to run 
 
     python -m rqlib.kernels.aot            # one JSON line per (kernel, specialization, arch)
 
-Constexpr choices are enumerated from :mod:`rqlib.kernels.limits`. Triton's JIT also
+The fused-score, quantize and reduce kernels have every specialization the dispatcher can pick
+listed; the attention kernel compiles one per layer format, an open set, of which
+:func:`attention_layouts` lists a covering one. Triton's JIT also
 specializes integer arguments equal to 1 (e.g. q_len = 1 in decode) and pointer/integer
 divisibility by 16 at launch; those variants are the same source with extra hints, and one of
 them (all of group, q_len = 1) is compiled here as a representative.
@@ -65,9 +67,6 @@ KEY_POINTERS = {
 }
 SCORES_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.SCORES_BLOCK_S, "CHUNK": geo.CHUNK}
 ATTENTION_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.ATTENTION_BLOCK_S}
-#: the recent band's (key, value) formats as codes: none or exact, keys only (values exact),
-#: both; exact keys with coded values are compiled too, which the cache never builds
-BAND_CODES = ((False, False), (True, False), (True, True), (False, True))
 #: uint8 buffers of the attention kernel (codes, norm streams, signs, the mask)
 ATTENTION_BYTES = (
     "k_codes_ptr k_norms_ptr k_signs_ptr k_rnorms_ptr v_codes_ptr v_norms_ptr bk_codes_ptr "
@@ -77,13 +76,63 @@ ATTENTION_BYTES = (
 ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr sink_v_ptr".split()
 
 
-def attention_blocks() -> set[int]:
-    """Accumulator widths the host can pick: the widest of d and the rotated value dims."""
-    return {
-        geo.value_block(max(d, width))
-        for d in geo.SUPPORTED_HEAD_DIMS
-        for width in geo.rotated_dims(d)
-    }
+def attention_layouts() -> list[tuple[dict, str]]:
+    """The layer formats compiled here, as ``(attention_formats(...), exact dtype)``.
+
+    The formats are compile-time (:mod:`rqlib.kernels.limits`), so the set a model can launch
+    is open-ended. This list holds the presets' layout (3-bit keys, 2-bit values and 8-bit band
+    codes, 11-bit norms) at every supported head dimension and exact dtype; an exact layer in
+    each dtype; every code width 1-8 for keys and for values, with each kind of band; QJL keys,
+    with and without codes; exact keys with coded values and the reverse; and the rotors'
+    padded widths (at head_dim 256, values 258 wide: two value blocks). A launched
+    specialization outside it that spills warns (``launch.warn_if_spilled``)."""
+    fmt, formats = geo.StreamFormat, geo.attention_formats
+    exact = fmt(exact=True)
+
+    def codes(d, bits, width=11, qjl=0):
+        return fmt(dim=d, bits=bits, qjl=qjl, norm_width=width)
+
+    layouts = []
+    for dtype in ("fp16", "bf16", "fp32"):
+        for d in geo.SUPPORTED_HEAD_DIMS:
+            band = codes(d, 8)
+            layouts.append((formats(d, codes(d, 3), codes(d, 2), band, band), dtype))
+        layouts.append((formats(128, exact, exact, None, None), dtype))
+    bands = (None, exact, "codes keys", "codes")
+    for bits in range(1, geo.MAX_MSE_BITS + 1):
+        value_bits = geo.MAX_MSE_BITS + 1 - bits
+        band = bands[bits % len(bands)]
+        band_keys = codes(128, value_bits, 16) if isinstance(band, str) else band
+        band_values = codes(128, bits, 16) if band == "codes" else None
+        keys, values = codes(128, bits, 16), codes(128, value_bits, 16)
+        layouts.append((formats(128, keys, values, band_keys, band_values), "fp16"))
+    layouts += [
+        (formats(128, codes(128, 2, 16, qjl=128), codes(128, 3), exact, None), "fp16"),
+        (formats(128, fmt(qjl=256, norm_width=16), codes(128, 4), None, None), "bf16"),
+        (formats(128, exact, codes(128, 4), exact, None), "fp16"),
+        (formats(128, codes(128, 4), exact, codes(128, 8), None), "fp16"),
+    ]
+    for d in (64, 128, 256):  # rotor blocks of three coordinates pad d to 3 * ceil(d / 3)
+        rotated = codes(3 * ((d + 2) // 3), 3)
+        layouts.append((formats(d, rotated, rotated, rotated, rotated), "fp16"))
+    return layouts
+
+
+def attention_specialization(layout: dict, dtype: str) -> Specialization:
+    """``attention_kernel`` compiled for a layer of formats ``layout``
+    (:func:`rqlib.kernels.limits.attention_formats`) and exact vectors of ``dtype``, with the
+    tiles and compile options that ``launch.attention`` picks for it."""
+    pointers = {name: "u8" for name in ATTENTION_BYTES}
+    pointers.update({name: dtype for name in ATTENTION_EXACT})
+    block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
+    constexprs = {**layout, "BLOCK_V": block, **ATTENTION_TILE, "CHUNK": geo.attention_chunk(block)}
+    return Specialization(
+        "attention_kernel",
+        constexprs,
+        pointers,
+        num_stages=geo.ATTENTION_NUM_STAGES,
+        maxnreg=geo.ATTENTION_MAX_REGISTERS,
+    )
 
 
 def specializations() -> list[Specialization]:
@@ -97,27 +146,7 @@ def specializations() -> list[Specialization]:
             {"codes_ptr": "u8", "signs_ptr": "u8"},
         ),
     ]
-    for dtype in geo.SUPPORTED_EXACT_DTYPES:
-        pointers = {name: "u8" for name in ATTENTION_BYTES}
-        pointers.update({name: TRITON_DTYPES[dtype] for name in ATTENTION_EXACT})
-        for block in sorted(attention_blocks()):
-            for band_keys, band_values in BAND_CODES:
-                constexprs = {
-                    "BAND_KEY_CODES": band_keys,
-                    "BAND_VALUE_CODES": band_values,
-                    "BLOCK_V": block,
-                    **ATTENTION_TILE,
-                    "CHUNK": geo.attention_chunk(block),
-                }
-                specs.append(
-                    Specialization(
-                        "attention_kernel",
-                        constexprs,
-                        pointers,
-                        num_stages=geo.ATTENTION_NUM_STAGES,
-                        maxnreg=geo.ATTENTION_MAX_REGISTERS,
-                    )
-                )
+    specs += [attention_specialization(layout, dtype) for layout, dtype in attention_layouts()]
     specs.append(
         Specialization("reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS)
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 
@@ -20,6 +21,7 @@ from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
+_SPILLING: set[str] = set()  # compiled specializations already reported by warn_if_spilled
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -112,21 +114,25 @@ def _dummy(device, dtype=torch.uint8) -> torch.Tensor:
 
 
 def _ring_arguments(stream, device, exact_dtype):
-    """Pointers, sizes and strides of one stream for the attention kernel.
+    """Pointers, run-time sizes and strides of one stream for the attention kernel (its format
+    is compile-time: :func:`rqlib.kernels.limits.attention_formats`).
 
     Returns ``(pointers, sizes, strides)``: pointers (codes, norms, signs, residual norms,
-    exact, centroids), sizes (exact, capacity, D, bits, code bytes, QJL m, sign bytes, QJL
-    scale, norm width, norm-stream bytes), strides (codes b/h/s, norms b/h, signs b/h/s,
-    residual norms b/h, exact b/h/s)."""
+    exact, centroids), sizes (ring capacity, QJL sketch dimension and scale, norm-stream
+    bytes), strides (codes
+    b/h/s, norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
     u8, exact_dummy = _dummy(device), _dummy(device, exact_dtype)
     if stream is None:
-        return (u8, u8, u8, u8, exact_dummy, _dummy(device, torch.float32)), (0,) * 10, (0,) * 13
+        return (
+            (u8, u8, u8, u8, exact_dummy, _dummy(device, torch.float32)),
+            (0, 0, 0.0, 0),
+            (0,) * 13,
+        )
     if stream.is_exact:
         ring = stream.exact
         x = ring.buffers["exact"]
         pointers = (u8, u8, u8, u8, x, _dummy(device, torch.float32))
-        sizes = (1, ring.capacity, 0, 1, 0, 0, 0, 0.0, 16, 0)
-        return pointers, sizes, (0,) * 10 + tuple(x.stride()[:3])
+        return pointers, (ring.capacity, 0, 0.0, 0), (0,) * 10 + tuple(x.stride()[:3])
     part = stream.parts[0]
     ring, qz = part.ring, part.quantizer
     buffers = ring.buffers
@@ -138,18 +144,8 @@ def _ring_arguments(stream, device, exact_dtype):
     if centroids.numel() == 0:
         centroids = _dummy(device, torch.float32)
     pointers = (codes, norms, signs, rnorms, exact_dummy, centroids)
-    sizes = (
-        0,
-        ring.capacity,
-        qz.rotated_dim if qz.mse_bits else 0,
-        max(qz.mse_bits, 1),
-        codes.shape[-1],
-        qz.qjl_dim if qz.has_qjl else 0,
-        signs.shape[-1],
-        float(qz.qjl_scale) if qz.has_qjl else 0.0,
-        ring.norm_width,
-        norms.shape[-1],
-    )
+    qjl_dim, qjl_scale = (qz.qjl_dim, float(qz.qjl_scale)) if qz.has_qjl else (0, 0.0)
+    sizes = (ring.capacity, qjl_dim, qjl_scale, norms.shape[-1])
     strides = (
         *codes.stride()[:3],
         *norms.stride()[:2],
@@ -266,8 +262,8 @@ def attention(
     bk_ptrs, bk_sizes, bk_strides = _ring_arguments(state.band_keys, device, exact_dtype)
     bv_ptrs, bv_sizes, bv_strides = _ring_arguments(state.band_values, device, exact_dtype)
     # a layer whose values are exact has no band or sink values: those pairs read the main ones
-    main_exact_values = (v_ptrs[4], v_sizes[1], v_strides[10:13])
-    bv_exact, bv_cap, bv_exact_strides = bv_ptrs[4], max(bv_sizes[1], 1), bv_strides[10:13]
+    main_exact_values = (v_ptrs[4], v_sizes[0], v_strides[10:13])
+    bv_exact, bv_cap, bv_exact_strides = bv_ptrs[4], max(bv_sizes[0], 1), bv_strides[10:13]
     if band_k_mode > 0 and band_v_mode == 0:  # exact values (limits.check_state)
         bv_exact, bv_cap, bv_exact_strides = main_exact_values
     sink_k = state.sink_keys if state.sink_keys is not None else _dummy(device, exact_dtype)
@@ -283,8 +279,15 @@ def attention(
         mask, device
     )
 
-    v_dim = head_dim if values.is_exact else values.parts[0].quantizer.rotated_dim
-    bv_dim = bv_sizes[2]
+    formats = geo.attention_formats(
+        head_dim,
+        geo.StreamFormat.of(keys),
+        geo.StreamFormat.of(values),
+        None if state.band_keys is None else geo.StreamFormat.of(state.band_keys),
+        None if state.band_values is None else geo.StreamFormat.of(state.band_values),
+    )
+    v_dim = head_dim if values.is_exact else formats["v_dim"]
+    bv_dim = formats["bv_dim"]
     value_width = max(head_dim, v_dim, bv_dim)
     block_v, value_blocks = geo.value_block(value_width), geo.value_blocks(value_width)
     acc_width = block_v * value_blocks
@@ -302,28 +305,22 @@ def attention(
     part_m = empty((total_rows, n_splits, 3), torch.float32, device)
     part_l = empty((total_rows, n_splits, 3), torch.float32, device)
     part_acc = empty((total_rows, n_splits, 3, acc_width), torch.float32, device)
-    attention_kernel[(batch * kv_heads, n_row_blocks, n_splits * value_blocks)](
+    compiled = attention_kernel[(batch * kv_heads, n_row_blocks, n_splits * value_blocks)](
         rows, q_main, q_sketch, q_band, mean, band_mean,
         *k_ptrs, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
         bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_ptrs[5],
         bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
         sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
-        kv_heads, group, n_rows, head_dim, state.start, first, state.end, n_splits, partition,
-        first, value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len,
-        mask_offset,
+        kv_heads, group, n_rows, state.start, first, state.end, n_splits, partition, first,
+        value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
         *mask_strides, float(scale), float(softcap or 0.0),
-        *k_sizes,
-        *k_strides,
-        v_sizes[0], v_dim, v_sizes[3], v_sizes[4], v_sizes[8], v_sizes[9],
-        *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
-        band_k_mode, max(bk_sizes[1], 1), bk_sizes[2], bk_sizes[3], bk_sizes[4],
-        bk_sizes[8], bk_sizes[9],
-        bv_cap, bv_dim, bv_sizes[3], bv_sizes[4], bv_sizes[8], bv_sizes[9],
+        *k_sizes, *k_strides,
+        v_sizes[3], *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
+        max(bk_sizes[0], 1), bk_sizes[3], bv_cap, bv_sizes[3],
         *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
         *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
         *sink_k_strides, *sink_v_strides, sv_cap,
-        BAND_KEY_CODES=band_k_mode == 2,
-        BAND_VALUE_CODES=band_v_mode == 2,
+        **formats,
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
@@ -332,6 +329,7 @@ def attention(
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )  # fmt: skip
+    warn_if_spilled(compiled, f"attention_kernel[{formats}, BLOCK_V={block_v}, {exact_dtype}]")
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
         part_m,
@@ -354,6 +352,22 @@ def attention(
         out = out + reduced[..., 2 * acc_width : 2 * acc_width + head_dim]
     out = out.reshape(batch, kv_heads, length, group, head_dim).transpose(2, 3)
     return out.reshape(batch, q_heads, length, head_dim)
+
+
+def warn_if_spilled(compiled, label: str) -> None:
+    """Warn once per specialization ``label`` when the kernel ``compiled`` (what a launch on a
+    GPU returns) spills registers to local memory: slower, not wrong. The formats of a layer are
+    compile-time, so a model can launch a specialization that ``tests/test_kernels_aot.py`` did
+    not compile; this is where such a spill shows. Interpreted launches have no ``n_spills``."""
+    spills = getattr(compiled, "n_spills", None)
+    if spills and label not in _SPILLING:
+        _SPILLING.add(label)
+        warnings.warn(
+            f"{label} spills {spills} registers to local memory on this GPU: this layer's "
+            "attention runs slower than it would without the spill",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _rotate_back(values, accumulated: torch.Tensor, device) -> torch.Tensor:

@@ -5,18 +5,20 @@ anything, so an input with no kernel raises a ``ValueError`` naming what is supp
 of producing uninitialized output. :func:`check_codecs` runs the same checks on a layer's codecs
 when a cache is built for a CUDA model, so that a config the fused attention cannot serve is
 refused at ``compress()`` time. The same constants feed the ahead-of-time compile list in
-:mod:`rqlib.kernels.aot`, so "every specialization the dispatcher can pick" is a finite,
-enumerable set.
+:mod:`rqlib.kernels.aot`.
 
-Design: the head dimension d, the rotated dimension D, the sketch dimension m, the code width b,
-the norm width and which streams a layer has (exact or coded keys, values and band; QJL; a
-sink) are *runtime* arguments of the kernels, so they add no specializations; only the width of
-the attention accumulators (``BLOCK_V``), the dtype of the exact vectors and whether the recent
-band's keys and values are codes are compile-time.
+Design: the attention kernel compiles one specialization per storage format of a layer
+(:func:`attention_formats`: head dimension, which streams are exact or codes, code widths,
+rotated dimensions, norm widths, QJL or not), so that a decode step issues no instruction for a
+format it does not have (chapter 3 counts what a decode step issues). A model compiles a
+handful, one per distinct per-layer format. Positions, lengths, capacities, the
+mask, window and softcap stay run-time arguments. The fused-score and quantize kernels take
+every size at run time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -113,7 +115,10 @@ def value_block(width: int) -> int:
     :func:`value_blocks`)."""
     if not 1 <= width <= MAX_VALUE_WIDTH:
         raise ValueError(f"value width {width} has no kernel; supported: 1..{MAX_VALUE_WIDTH}")
-    return next((block for block in VALUE_BLOCKS if width <= block), VALUE_BLOCKS[-1])
+    block = next((block for block in VALUE_BLOCKS if width <= block), VALUE_BLOCKS[-1])
+    if block == 256 and width < 256:  # a 256-column block that masks columns spills on sm_90;
+        return 128  # two blocks of 128 (a rotor's 129 at head_dim 128) do not
+    return block
 
 
 def value_blocks(width: int) -> int:
@@ -242,3 +247,75 @@ def check_state(state) -> None:
             )
         if state.n_sink and state.sink_values is None:
             raise ValueError("a sink without sink values has no kernel when the values are codes")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamFormat:
+    """How one stream of a layer stores its vectors, as the attention kernel compiles it: exact
+    vectors, or ``bits``-bit codes of ``dim`` rotated coordinates with ``norm_width``-bit norms
+    and, for keys, ``qjl`` sign bits (0: no QJL; ``dim`` is 0 for a QJL-only quantizer)."""
+
+    exact: bool = False
+    dim: int = 0
+    bits: int = 0
+    qjl: int = 0
+    norm_width: int = 0
+
+    @classmethod
+    def of(cls, stream) -> StreamFormat:
+        """The format of a :class:`~rqlib.kernels.state.Stream` or codec (``None`` or an exact
+        stream: exact vectors)."""
+        if stream is None or getattr(stream, "is_exact", False):
+            return cls(exact=True)
+        qz = stream.parts[0].quantizer
+        return cls(
+            dim=qz.rotated_dim if qz.mse_bits else 0,
+            bits=qz.mse_bits,
+            qjl=qz.qjl_dim if qz.has_qjl else 0,
+            norm_width=qz.norm_bits,
+        )
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of one vector's packed codes."""
+        return math.ceil(self.dim * self.bits / 8)
+
+    def constexprs(self, prefix: str) -> dict[str, int]:
+        """The kernel's compile-time arguments ``<prefix>_dim``, ``_bits``, ``_code_bytes``,
+        ``_width`` (all 0 for exact vectors)."""
+        coded = not self.exact
+        return {
+            f"{prefix}_dim": self.dim * coded,
+            f"{prefix}_bits": self.bits * coded,
+            f"{prefix}_code_bytes": self.code_bytes * coded,
+            f"{prefix}_width": self.norm_width * coded,
+        }
+
+
+def attention_formats(
+    head_dim: int,
+    keys: StreamFormat,
+    values: StreamFormat,
+    band_keys: StreamFormat | None = None,
+    band_values: StreamFormat | None = None,
+) -> dict[str, int]:
+    """The compile-time arguments of ``attention_kernel`` for a layer stored in these formats
+    (``band_keys`` ``None``: no recent band; ``band_values`` ``None``: the band reads exact
+    values)."""
+    if keys.exact and keys.qjl:
+        raise ValueError("exact keys have no QJL signs")
+    band_k_mode = 0 if band_keys is None else (1 if band_keys.exact else 2)
+    band_values = band_values if band_keys is not None else None
+    band_value_codes = band_values is not None and not band_values.exact
+    return {
+        "head_dim": head_dim,
+        "k_exact": int(keys.exact),
+        **keys.constexprs("k"),
+        "k_qjl": int(not keys.exact and keys.qjl > 0),
+        "v_exact": int(values.exact),
+        **values.constexprs("v"),
+        "band_k_mode": band_k_mode,
+        **(band_keys or StreamFormat(exact=True)).constexprs("bk"),
+        "BAND_VALUE_CODES": int(band_value_codes),
+        **(band_values or StreamFormat(exact=True)).constexprs("bv"),
+    }

@@ -26,15 +26,22 @@ float32 accuracy (:func:`~rqlib.kernels.triton_common.exact_dot`: both factors s
 tf32 parts, three products). The scores, and every product with exact vectors, are IEEE fp32
 on the CUDA cores.
 
+Formats are compile-time: the head dimension, which streams are exact or codes, code widths,
+rotated dimensions and norm widths (:func:`rqlib.kernels.limits.attention_formats`), so a
+specialization holds only the loads and unpacking of the layer it serves, with its shifts and
+masks folded into constants. The QJL sketch dimension stays a run-time argument: as a constant,
+its loop becomes straight-line code that needs one register more than sm_90 has.
+
 The kernel is shaped so that no specialization spills registers (``tests/test_kernels_aot.py``
-compiles each for sm_80 and sm_90): a run-time branch inside a loop keeps the registers of both
-sides live, so the mask, the window and the softcap are selected arithmetically, and the band's
-formats (codes or exact) are compile-time; the main stream's formats stay run-time branches.
-Accumulators wider than 256 columns (a rotor's padded width at head_dim 256) are cut into blocks
-of BLOCK_V columns, one program each, which recompute the same scores. The loops are not
-software-pipelined (``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And
-a thread may take up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap
-a 64-column tile at 128 to fit two blocks an SM, and spill.
+compiles a covering set for sm_80 and sm_90; a launched specialization that spills warns, see
+``launch.warn_if_spilled``): a run-time branch inside a loop keeps the registers of both sides
+live, so the mask, the window and the softcap are selected arithmetically. Accumulators wider
+than 256 columns (a rotor's padded width at head_dim 256), or between 128 and 256 (at head_dim
+128), are cut into blocks of BLOCK_V columns, one program each, which recompute the same
+scores. The loops are not software-pipelined (``limits.ATTENTION_NUM_STAGES``): the prefetched
+tiles spill on sm_80. And a thread may take up to 255 registers
+(``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column tile at 128 to fit two
+blocks an SM, and spill.
 
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
 2 sink). ``reduce_kernel`` merges every split and slot of a row: ``M = max m``, ``L = sum
@@ -218,30 +225,36 @@ def attention_kernel(
     # mask tensor (uint8 view of a bool tensor) and partial results
     mask_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     # shapes and positions
-    kv_heads, group, n_rows, head_dim, start, first, end, n_splits, partition, split_lo,
-    value_blocks,
+    kv_heads, group, n_rows, start, first, end, n_splits, partition, split_lo, value_blocks,
     n_sink, band, causal, window, has_mask, mask_len, mask_offset,
     stride_mb, stride_mt, stride_mk, scale, softcap,
-    # main keys
-    k_exact, k_cap, k_dim, k_bits, k_code_bytes, k_qjl, k_sign_bytes, k_qjl_scale, k_width,
-    k_norm_bytes,
+    # main keys: ring capacity, QJL scale, bytes of a norm stream, strides
+    k_cap, k_sketch_dim, k_qjl_scale, k_norm_bytes,
     stride_kcb, stride_kch, stride_kcs, stride_knb, stride_knh,
     stride_ksb, stride_ksh, stride_kss, stride_krb, stride_krh,
     stride_kxb, stride_kxh, stride_kxs,
     # main values
-    v_exact, v_dim, v_bits, v_code_bytes, v_width, v_norm_bytes,
+    v_norm_bytes,
     stride_vcb, stride_vch, stride_vcs, stride_vnb, stride_vnh, stride_vxb, stride_vxh, stride_vxs,
-    # the band (mode 0: none, 1: keys exact, 2: keys as codes) and its values; whether the
-    # band's keys and values are codes is compile-time (BAND_KEY_CODES, BAND_VALUE_CODES)
-    band_k_mode, b_cap, bk_dim, bk_bits, bk_code_bytes, bk_width, bk_norm_bytes,
-    bv_cap, bv_dim, bv_bits, bv_code_bytes, bv_width, bv_norm_bytes,
+    # the band's keys and values
+    b_cap, bk_norm_bytes, bv_cap, bv_norm_bytes,
     stride_bkcb, stride_bkch, stride_bkcs, stride_bknb, stride_bknh,
     stride_bkxb, stride_bkxh, stride_bkxs,
     stride_bvcb, stride_bvch, stride_bvcs, stride_bvnb, stride_bvnh,
     stride_bvxb, stride_bvxh, stride_bvxs,
     # sink keys and values: strides and the values' ring capacity
     stride_skb, stride_skh, stride_sks, stride_svb, stride_svh, stride_svs, sv_cap,
-    BAND_KEY_CODES: tl.constexpr, BAND_VALUE_CODES: tl.constexpr,
+    # compile-time: the layer's storage formats (rqlib.kernels.limits.attention_formats)
+    head_dim: tl.constexpr,
+    k_exact: tl.constexpr, k_dim: tl.constexpr, k_bits: tl.constexpr,
+    k_code_bytes: tl.constexpr, k_qjl: tl.constexpr, k_width: tl.constexpr,
+    v_exact: tl.constexpr, v_dim: tl.constexpr, v_bits: tl.constexpr,
+    v_code_bytes: tl.constexpr, v_width: tl.constexpr,
+    band_k_mode: tl.constexpr, bk_dim: tl.constexpr, bk_bits: tl.constexpr,
+    bk_code_bytes: tl.constexpr, bk_width: tl.constexpr,
+    BAND_VALUE_CODES: tl.constexpr, bv_dim: tl.constexpr, bv_bits: tl.constexpr,
+    bv_code_bytes: tl.constexpr, bv_width: tl.constexpr,
+    # compile-time: tiles
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of the keys for one block of rows and one block of value
@@ -306,7 +319,8 @@ def attention_kernel(
             if k_qjl > 0:
                 rnorms = load_norms(k_rnorms, slots, k_width, in_range, k_norm_bytes)
                 qjl = sign_scores(
-                    q_sketch_ptr, q_rows, row_mask, k_qjl, k_signs, slots, stride_kss, in_range,
+                    q_sketch_ptr, q_rows, row_mask, k_sketch_dim, k_signs, slots, stride_kss,
+                    in_range,
                     BLOCK_ROWS, BLOCK_S, CHUNK,
                 )  # fmt: skip
                 scores += qjl * (rnorms * k_qjl_scale)[None, :]
@@ -354,7 +368,7 @@ def attention_kernel(
         in_range = keys < band_hi
         slots = ring_slots(first_slot, b_cap, BLOCK_S)
         first_slot = wrap(first_slot + BLOCK_S, b_cap)
-        if BAND_KEY_CODES:
+        if band_k_mode == 2:  # keys as codes
             norms = load_norms(bk_norms, slots, bk_width, in_range, bk_norm_bytes)
             scores = code_scores(
                 q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, in_range,

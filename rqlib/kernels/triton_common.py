@@ -14,6 +14,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rqlib.kernels.interpreter import TF32_DROPPED_BITS
+
+#: clears the float32 mantissa bits that tf32 drops (as an int32 mask of the bit pattern)
+TF32_MASK = tl.constexpr(-(1 << TF32_DROPPED_BITS))
+
 
 @triton.jit
 def load_codes(row_ptrs, cols, col_mask, bits, row_bytes):
@@ -88,8 +93,8 @@ def tf32_parts(x):
     """``(hi, lo)``, float32 tensors of tf32 numbers (10 mantissa bits, the low 13 cleared) with
     ``|x - hi - lo| < 2^-20 |x|``: ``hi`` keeps the leading 11 significant bits of ``x``, ``lo``
     those of the rest (tf32 as :func:`rqlib.kernels.interpreter.round_to_tf32` defines it)."""
-    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-    lo = ((x - hi).to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    hi = (x.to(tl.int32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)
+    lo = ((x - hi).to(tl.int32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)
     return hi, lo
 
 
