@@ -24,12 +24,15 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from rqlib import kernels
-from rqlib.core.packing import unpack_bits, unpack_signs
+from rqlib.core.packing import pack_bits, unpack_bits, unpack_signs
 from rqlib.core.quantizers import make_quantizer
 from rqlib.kernels import aot, launch, reference
 from rqlib.kernels import limits as geo
+from rqlib.kernels.triton_common import load_code_groups
 
 pytestmark = pytest.mark.interpreter
 
@@ -301,3 +304,36 @@ def test_wide_accumulators_are_cut_into_blocks(width, block, blocks):
 def test_value_widths_beyond_the_kernel_are_refused():
     with pytest.raises(ValueError, match="value width 513 has no kernel"):
         geo.value_block(513)
+
+
+@triton.jit
+def unpack_code_groups(
+    codes_ptr, out_ptr, n_rows, dim: tl.constexpr, bits: tl.constexpr, row_bytes: tl.constexpr,
+    ROWS: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Write the codes ``load_code_groups`` reads from packed rows to ``out`` [n_rows, dim]."""
+    rows = tl.arange(0, ROWS)
+    key_mask = rows < n_rows
+    row_ptrs = codes_ptr + rows[:, None] * row_bytes
+    for c0 in range(0, dim, CHUNK):
+        codes = load_code_groups(row_ptrs, c0, key_mask, bits, row_bytes, CHUNK)
+        cols = c0 + tl.arange(0, CHUNK)
+        out = out_ptr + rows[:, None] * dim + cols[None, :]
+        tl.store(out, codes, mask=key_mask[:, None] & (cols < dim)[None, :])
+
+
+def test_code_groups_unpack_what_the_bytes_hold(rng):
+    """``load_code_groups`` (eight codes a load, for the attention kernel's compile-time
+    formats) returns the codes that ``rqlib.core.packing`` packed, for every width it serves
+    (1, 2, 4, 8 as one integer; 3 joined from bytes), rows that are not a power of two in
+    number, and a dimension cut into chunks. Exact equality of random codes: a wrong shift,
+    lane or byte order changes some."""
+    for bits, dim, chunk in [(1, 128, 64), (2, 64, 64), (3, 128, 32), (3, 64, 64), (4, 96, 32),
+                             (8, 128, 128)]:  # fmt: skip
+        n_rows = 11
+        codes = torch.randint(0, 2**bits, (n_rows, dim), generator=rng, dtype=torch.uint8)
+        packed = pack_bits(codes, bits)
+        assert packed.shape == (n_rows, dim * bits // 8)
+        out = torch.full((n_rows, dim), -1, dtype=torch.int32)
+        unpack_code_groups[(1,)](packed, out, n_rows, dim, bits, packed.shape[1], 16, chunk)
+        assert torch.equal(out, codes.int()), (bits, dim, chunk)

@@ -29,8 +29,10 @@ on the CUDA cores.
 Formats are compile-time: the head dimension, which streams are exact or codes, code widths,
 rotated dimensions and norm widths (:func:`rqlib.kernels.limits.attention_formats`), so a
 specialization holds only the loads and unpacking of the layer it serves, with its shifts and
-masks folded into constants. The QJL sketch dimension stays a run-time argument: as a constant,
-its loop becomes straight-line code that needs one register more than sm_90 has.
+masks folded into constants, and reads eight codes a load where the width allows
+(:func:`~rqlib.kernels.triton_common.load_code_groups`). The QJL sketch dimension stays a
+run-time argument: as a constant, its loop becomes straight-line code that needs one register
+more than sm_90 has.
 
 The kernel is shaped so that no specialization spills registers (``tests/test_kernels_aot.py``
 compiles a covering set for sm_80 and sm_90; a launched specialization that spills warns, see
@@ -68,6 +70,8 @@ from rqlib.kernels.triton_common import (
     code_scores,
     exact_dot,
     exact_scores,
+    group_loads,
+    load_code_groups,
     load_codes,
     sign_scores,
 )
@@ -91,15 +95,18 @@ def load_norms(row_ptr, slots, width, valid, nbytes):
 
 @triton.jit
 def code_values(
-    codes_ptr, slots, stride_s, key_mask, bits, code_bytes, centroids_ptr, width, col0,
-    BLOCK_V: tl.constexpr,
+    codes_ptr, slots, stride_s, key_mask, bits: tl.constexpr, code_bytes: tl.constexpr,
+    centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
     ``[BLOCK_S, BLOCK_V]``."""
     cols = col0 + tl.arange(0, BLOCK_V)
     v_mask = key_mask[:, None] & (cols < width)[None, :]
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
-    codes = load_codes(rows_ptr, cols, v_mask, bits, code_bytes)
+    if group_loads(bits, width, BLOCK_V):
+        codes = load_code_groups(rows_ptr, col0, key_mask, bits, code_bytes, BLOCK_V)
+    else:
+        codes = load_codes(rows_ptr, cols, v_mask, bits, code_bytes)
     return tl.load(centroids_ptr + codes, mask=v_mask, other=0.0)
 
 
@@ -315,6 +322,7 @@ def attention_kernel(
             scores = code_scores(
                 q_main_ptr, q_rows, row_mask, k_dim, k_codes, slots, stride_kcs, in_range,
                 k_bits, k_code_bytes, k_centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
+                group_loads(k_bits, k_dim, CHUNK),
             ) * norms[None, :]  # fmt: skip
             if k_qjl > 0:
                 rnorms = load_norms(k_rnorms, slots, k_width, in_range, k_norm_bytes)
@@ -373,6 +381,7 @@ def attention_kernel(
             scores = code_scores(
                 q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, in_range,
                 bk_bits, bk_code_bytes, bk_centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
+                group_loads(bk_bits, bk_dim, CHUNK),
             ) * norms[None, :] + band_mean[:, None]  # fmt: skip
         else:
             scores = exact_scores(

@@ -6,7 +6,8 @@ Storage layout (rqlib.core.packing): an LSB-first bit stream per vector; code j 
 j*b .. j*b+b-1, stream bit t is bit t % 8 of byte t // 8. A code of b <= 8 bits therefore lies
 in byte t // 8 and, when (t % 8) + b > 8, also in the next byte: the unpack below reads the
 first byte always and the second only where the code straddles, so widths that divide 8
-(1, 2, 4, 8) read each byte once.
+(1, 2, 4, 8) read each byte once. Where the width and the dimension are compile-time (the
+attention kernel), :func:`load_code_groups` reads eight codes a load instead of one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,55 @@ def load_codes(row_ptrs, cols, col_mask, bits, row_bytes):
     straddles = col_mask & ((shift + bits) > 8)[None, :] & ((byte + 1) < row_bytes)[None, :]
     hi = tl.load(row_ptrs + byte[None, :] + 1, mask=straddles, other=0).to(tl.int32)
     return ((lo | (hi << 8)) >> shift[None, :]) & ((1 << bits) - 1)
+
+
+#: the unsigned integer of ``bits`` bytes: eight codes of a width that divides 8
+UNIT_TYPES = tl.constexpr((None, tl.uint8, tl.uint16, None, tl.uint32, None, None, None, tl.uint64))
+
+
+@triton.jit
+def group_loads(bits, dim, chunk):
+    """Whether :func:`load_code_groups` serves ``dim`` codes of ``bits`` bits a row
+    (compile-time), ``chunk`` codes at a time: rows of whole groups of eight codes, and eight
+    codes held in at most 32 bits or in one 64-bit word. Widths of 5 to 7 bits would join a
+    64-bit word from bytes, which the compile counts as more instructions than
+    :func:`load_codes`; rows that end in a part group (a rotor's padded dimension) made the
+    kernel spill."""
+    return (bits > 0) & ((bits <= 4) | (bits == 8)) & (dim % 8 == 0) & (chunk % 8 == 0)
+
+
+@triton.jit
+def load_code_groups(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl.constexpr,
+                     CHUNK: tl.constexpr):  # fmt: skip
+    """Codes ``col0 .. col0 + CHUNK - 1`` of the packed rows ``row_ptrs`` ([ROWS, 1]) read
+    eight at a time: eight codes fill ``bits`` bytes, one aligned load of them when ``bits``
+    divides 8, else ``bits`` byte loads joined into a word. Code ``i`` of a group is then
+    ``(word >> i * bits) & (2^bits - 1)``, where :func:`load_codes` loads a byte per code and
+    a second where one straddles. For the layouts :func:`group_loads` accepts (``col0`` a
+    multiple of 8; rows of whole groups keep every group aligned to its size). Returns int32
+    [ROWS, CHUNK]; codes past the row are 0."""
+    GROUPS: tl.constexpr = CHUNK // 8
+    WORD: tl.constexpr = tl.uint32 if bits <= 4 else tl.uint64
+    group = col0 // 8 + tl.arange(0, GROUPS)
+    if 8 % bits == 0:
+        words = tl.load(
+            row_ptrs.to(tl.pointer_type(UNIT_TYPES[bits])) + group[None, :],
+            mask=key_mask[:, None] & (group < row_bytes // bits)[None, :],
+            other=0,
+        ).to(WORD)
+    else:
+        lane = tl.arange(0, 4)  # 3 bytes a group
+        byte = group[:, None] * bits + lane[None, :]
+        in_row = (lane < bits)[None, :] & (byte < row_bytes)
+        parts = tl.load(
+            row_ptrs[:, :, None] + byte[None, :, :],
+            mask=key_mask[:, None, None] & in_row[None, :, :],
+            other=0,
+        ).to(WORD)
+        words = tl.sum(parts << (lane * 8).to(WORD)[None, None, :], axis=2)
+    shifts = (tl.arange(0, 8) * bits).to(WORD)
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
+    return tl.reshape(codes, (key_mask.shape[0], CHUNK)).to(tl.int32)
 
 
 @triton.jit
@@ -116,8 +166,11 @@ def exact_dot(x, y, acc):
 def code_scores(
     q_ptr, q_rows, row_mask, dim, codes_ptr, slots, stride_s, key_mask, bits, code_bytes,
     centroids_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    GROUPS: tl.constexpr = False,
 ):  # fmt: skip
-    """``<q_row, c[codes_key]>`` for rows x keys, CHUNK coordinates at a time."""
+    """``<q_row, c[codes_key]>`` for rows x keys, CHUNK coordinates at a time (codes read
+    eight at a time with ``GROUPS``: compile-time ``bits`` and ``dim`` that
+    :func:`group_loads` accepts)."""
     cols = tl.arange(0, CHUNK)
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     acc = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
@@ -126,7 +179,10 @@ def code_scores(
         c_mask = c < dim
         q_tile = query_chunk(q_ptr, q_rows, row_mask, dim, c, c_mask)
         k_mask = key_mask[:, None] & c_mask[None, :]
-        codes = load_codes(rows_ptr, c, k_mask, bits, code_bytes)
+        if GROUPS:
+            codes = load_code_groups(rows_ptr, c0, key_mask, bits, code_bytes, CHUNK)
+        else:
+            codes = load_codes(rows_ptr, c, k_mask, bits, code_bytes)
         k_tile = tl.load(centroids_ptr + codes, mask=k_mask, other=0.0)
         acc += tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
     return acc
