@@ -262,7 +262,8 @@ def test_poisoned_buffers_start_as_nan():
 def test_aot_list_covers_every_kind_of_layer_format():
     """The formats are compile-time, so the AOT list is a covering set, not every launch: every
     accumulator width launch.py can pick, every code width for keys and for values, every band
-    and value kind, QJL, exact streams, and the presets' layout at every head dim and dtype."""
+    and value kind, QJL, exact streams, softcapped or not, and the presets' layout at every head
+    dim and dtype."""
     specs = [s for s in aot.specializations() if s.kernel == "attention_kernel"]
     seen = collections.defaultdict(set)
     for spec in specs:
@@ -281,12 +282,21 @@ def test_aot_list_covers_every_kind_of_layer_format():
     assert code_widths <= seen["k_bits"] and code_widths <= seen["v_bits"]
     assert seen["band_k_mode"] == {0, 1, 2} and seen["BAND_VALUE_CODES"] == {0, 1}
     assert seen["k_exact"] == seen["v_exact"] == seen["k_qjl"] == {0, 1}
-    labels = {spec.label for spec in specs}
+    assert seen["SOFTCAP"] == {0, 1}
+    switches = ("SOFTCAP",)
+    listed = {
+        (
+            tuple((k, v) for k, v in spec.constexprs.items() if k not in switches),
+            spec.pointers["v_exact_ptr"],
+        )
+        for spec in specs
+    }
     for d, dtype in itertools.product(geo.SUPPORTED_HEAD_DIMS, seen["dtype"]):
         codes = functools.partial(geo.StreamFormat, dim=d, norm_width=11)
         band = codes(bits=8)
         layout = geo.attention_formats(d, codes(bits=3), codes(bits=2), band, band)
-        assert aot.attention_specialization(layout, dtype).label in labels
+        spec = aot.attention_specialization(layout, dtype)
+        assert (tuple(spec.constexprs.items()), dtype) in listed, (d, dtype)
 
 
 @pytest.mark.parametrize(

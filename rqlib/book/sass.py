@@ -277,16 +277,19 @@ def issue_summary(
 
 
 def decode_layout(head_dim: int, key_bits: int, value_bits: int, norm_bits: int) -> dict:
-    """The formats (:func:`rqlib.kernels.limits.attention_formats`) of a decode path in the
-    presets' layout: keys and values stored as codes of the full head dimension (``key_bits``
-    and ``value_bits`` bits) with ``norm_bits``-bit norms, no QJL, and a recent band of 8-bit
-    codes."""
+    """The compile-time arguments of a decode step in the presets' layout: keys and values
+    stored as codes of the full head dimension (``key_bits`` and ``value_bits`` bits) with
+    ``norm_bits``-bit norms, no QJL, and a recent band of 8-bit codes
+    (:func:`rqlib.kernels.limits.attention_formats`); no softcap."""
     from rqlib.kernels import limits as geo
 
     def codes(bits):
         return geo.StreamFormat(dim=head_dim, bits=bits, norm_width=norm_bits)
 
-    return geo.attention_formats(head_dim, codes(key_bits), codes(value_bits), codes(8), codes(8))
+    formats = geo.attention_formats(
+        head_dim, codes(key_bits), codes(value_bits), codes(8), codes(8)
+    )
+    return {**formats, "SOFTCAP": 0}
 
 
 def _decode_spec(*layout: int, exact: str = "fp16"):

@@ -77,27 +77,34 @@ ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr 
 
 
 def attention_layouts() -> list[tuple[dict, str]]:
-    """The layer formats compiled here, as ``(attention_formats(...), exact dtype)``.
+    """The layers compiled here, as ``(compile-time arguments, exact dtype)``: their
+    :func:`rqlib.kernels.limits.attention_formats` and ``SOFTCAP`` (whether scores are
+    softcapped).
 
     The formats are compile-time (:mod:`rqlib.kernels.limits`), so the set a model can launch
     is open-ended. This list holds the presets' layout (3-bit keys, 2-bit values and 8-bit band
     codes, 11-bit norms) at every supported head dimension and exact dtype; an exact layer in
     each dtype; every code width 1-8 for keys and for values, with each kind of band; QJL keys,
-    with and without codes; exact keys with coded values and the reverse; and the rotors'
-    padded widths (at head_dim 256, values 258 wide: two value blocks). A launched
-    specialization outside it that spills warns (``launch.warn_if_spilled``)."""
+    with and without codes; exact keys with coded values and the reverse; the rotors' padded
+    widths (at head_dim 256, values 258 wide: two value blocks); and softcapped scores at head
+    dims 128 and 256. A launched specialization outside it that spills warns
+    (``launch.warn_if_spilled``)."""
     fmt, formats = geo.StreamFormat, geo.attention_formats
     exact = fmt(exact=True)
 
     def codes(d, bits, width=11, qjl=0):
         return fmt(dim=d, bits=bits, qjl=qjl, norm_width=width)
 
+    def capped(layout, softcap=0):
+        return {**layout, "SOFTCAP": softcap}
+
     layouts = []
     for dtype in ("fp16", "bf16", "fp32"):
         for d in geo.SUPPORTED_HEAD_DIMS:
             band = codes(d, 8)
-            layouts.append((formats(d, codes(d, 3), codes(d, 2), band, band), dtype))
-        layouts.append((formats(128, exact, exact, None, None), dtype))
+            layout = formats(d, codes(d, 3), codes(d, 2), band, band)
+            layouts.append((capped(layout), dtype))
+        layouts.append((capped(formats(128, exact, exact, None, None)), dtype))
     bands = (None, exact, "codes keys", "codes")
     for bits in range(1, geo.MAX_MSE_BITS + 1):
         value_bits = geo.MAX_MSE_BITS + 1 - bits
@@ -105,23 +112,25 @@ def attention_layouts() -> list[tuple[dict, str]]:
         band_keys = codes(128, value_bits, 16) if isinstance(band, str) else band
         band_values = codes(128, bits, 16) if band == "codes" else None
         keys, values = codes(128, bits, 16), codes(128, value_bits, 16)
-        layouts.append((formats(128, keys, values, band_keys, band_values), "fp16"))
+        layout = formats(128, keys, values, band_keys, band_values)
+        layouts.append((capped(layout), "fp16"))
     layouts += [
-        (formats(128, codes(128, 2, 16, qjl=128), codes(128, 3), exact, None), "fp16"),
-        (formats(128, fmt(qjl=256, norm_width=16), codes(128, 4), None, None), "bf16"),
-        (formats(128, exact, codes(128, 4), exact, None), "fp16"),
-        (formats(128, codes(128, 4), exact, codes(128, 8), None), "fp16"),
+        (capped(formats(128, codes(128, 2, 16, qjl=128), codes(128, 3), exact, None)), "fp16"),
+        (capped(formats(128, fmt(qjl=256, norm_width=16), codes(128, 4), None, None)), "bf16"),
+        (capped(formats(128, exact, codes(128, 4), exact, None), softcap=1), "fp16"),
+        (capped(formats(128, codes(128, 4), exact, codes(128, 8), None)), "fp16"),
     ]
     for d in (64, 128, 256):  # rotor blocks of three coordinates pad d to 3 * ceil(d / 3)
         rotated = codes(3 * ((d + 2) // 3), 3)
-        layouts.append((formats(d, rotated, rotated, rotated, rotated), "fp16"))
+        layout = formats(d, rotated, rotated, rotated, rotated)
+        layouts.append((capped(layout, softcap=int(d == 256)), "fp16"))
     return layouts
 
 
 def attention_specialization(layout: dict, dtype: str) -> Specialization:
-    """``attention_kernel`` compiled for a layer of formats ``layout``
-    (:func:`rqlib.kernels.limits.attention_formats`) and exact vectors of ``dtype``, with the
-    tiles and compile options that ``launch.attention`` picks for it."""
+    """``attention_kernel`` compiled for the compile-time arguments ``layout`` (a layer's
+    :func:`rqlib.kernels.limits.attention_formats` and ``SOFTCAP``) and exact vectors of
+    ``dtype``, with the tiles and compile options that ``launch.attention`` picks for it."""
     pointers = {name: "u8" for name in ATTENTION_BYTES}
     pointers.update({name: dtype for name in ATTENTION_EXACT})
     block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))

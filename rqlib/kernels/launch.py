@@ -286,6 +286,7 @@ def attention(
         None if state.band_keys is None else geo.StreamFormat.of(state.band_keys),
         None if state.band_values is None else geo.StreamFormat.of(state.band_values),
     )
+    compile_time = {**formats, "SOFTCAP": int(bool(softcap and softcap > 0))}
     v_dim = head_dim if values.is_exact else formats["v_dim"]
     bv_dim = formats["bv_dim"]
     value_width = max(head_dim, v_dim, bv_dim)
@@ -320,7 +321,7 @@ def attention(
         *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
         *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
         *sink_k_strides, *sink_v_strides, sv_cap,
-        **formats,
+        **compile_time,
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
@@ -329,7 +330,7 @@ def attention(
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )  # fmt: skip
-    warn_if_spilled(compiled, f"attention_kernel[{formats}, BLOCK_V={block_v}, {exact_dtype}]")
+    warn_if_spilled(compiled, f"attention_kernel[{compile_time}, BLOCK_V={block_v}, {exact_dtype}]")
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
         part_m,

@@ -11,9 +11,9 @@ Design: the attention kernel compiles one specialization per storage format of a
 (:func:`attention_formats`: head dimension, which streams are exact or codes, code widths,
 rotated dimensions, norm widths, QJL or not), so that a decode step issues no instruction for a
 format it does not have (chapter 3 counts what a decode step issues). A model compiles a
-handful, one per distinct per-layer format. Positions, lengths, capacities, the
-mask, window and softcap stay run-time arguments. The fused-score and quantize kernels take
-every size at run time.
+handful, one per distinct per-layer format (and softcap or not: ``launch.attention``).
+Positions, lengths, capacities, the mask, the window and the softcap's value stay run-time
+arguments. The fused-score and quantize kernels take every size at run time.
 """
 
 from __future__ import annotations

@@ -27,23 +27,24 @@ tf32 parts, three products). The scores, and every product with exact vectors, a
 on the CUDA cores.
 
 Formats are compile-time: the head dimension, which streams are exact or codes, code widths,
-rotated dimensions and norm widths (:func:`rqlib.kernels.limits.attention_formats`), so a
-specialization holds only the loads and unpacking of the layer it serves, with its shifts and
-masks folded into constants, and reads eight codes a load where the width allows
+rotated dimensions and norm widths (:func:`rqlib.kernels.limits.attention_formats`), and so is
+whether scores are softcapped (``SOFTCAP``). A specialization holds only the loads and
+unpacking of the layer it serves, with its shifts and masks folded into constants, and reads
+eight codes a load where the width allows
 (:func:`~rqlib.kernels.triton_common.load_code_groups`). The QJL sketch dimension stays a
 run-time argument: as a constant, its loop becomes straight-line code that needs one register
-more than sm_90 has.
+more than sm_90 has. So do causal order and whether a mask tensor is read: as constants they
+save a few instructions per key but make the heaviest layouts spill.
 
 The kernel is shaped so that no specialization spills registers (``tests/test_kernels_aot.py``
 compiles a covering set for sm_80 and sm_90; a launched specialization that spills warns, see
 ``launch.warn_if_spilled``): a run-time branch inside a loop keeps the registers of both sides
-live, so the mask, the window and the softcap are selected arithmetically. Accumulators wider
-than 256 columns (a rotor's padded width at head_dim 256), or between 128 and 256 (at head_dim
-128), are cut into blocks of BLOCK_V columns, one program each, which recompute the same
-scores. The loops are not software-pipelined (``limits.ATTENTION_NUM_STAGES``): the prefetched
-tiles spill on sm_80. And a thread may take up to 255 registers
-(``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column tile at 128 to fit two
-blocks an SM, and spill.
+live, so the mask and the window are selected arithmetically. Accumulators wider than 256 columns (a
+rotor's padded width at head_dim 256), or between 128 and 256 (at head_dim 128), are cut into
+blocks of BLOCK_V columns, one program each, which recompute the same scores. The loops are not
+software-pipelined (``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And
+a thread may take up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would
+cap a 64-column tile at 128 to fit two blocks an SM, and spill.
 
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
 2 sink). ``reduce_kernel`` merges every split and slot of a row: ``M = max m``, ``L = sum
@@ -182,13 +183,13 @@ def fresh_softmax(BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(scores, visible, scale, softcap, m_i, l_i, acc):
-    """Scale, softcap and mask a tile of scores; one online-softmax step. Returns the weights
-    ``p`` of the tile and the updated ``(m, l)`` and rescaled accumulator."""
+def softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP: tl.constexpr):
+    """Scale, softcap (when ``SOFTCAP``) and mask a tile of scores; one online-softmax step.
+    Returns the weights ``p`` of the tile and the updated ``(m, l)`` and rescaled
+    accumulator."""
     scores = scores * scale
-    cap = tl.where(softcap > 0, softcap, 1.0)  # without a branch, as in visible_pairs
-    capped = cap * (2.0 / (1.0 + tl.exp(-2.0 * scores / cap)) - 1.0)  # cap tanh(scores / cap)
-    scores = tl.where(softcap > 0, capped, scores)
+    if SOFTCAP:  # softcap tanh(scores / softcap)
+        scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)
     scores = tl.where(visible != 0, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -233,8 +234,8 @@ def attention_kernel(
     mask_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     # shapes and positions
     kv_heads, group, n_rows, start, first, end, n_splits, partition, split_lo, value_blocks,
-    n_sink, band, causal, window, has_mask, mask_len, mask_offset,
-    stride_mb, stride_mt, stride_mk, scale, softcap,
+    n_sink, band, causal, window, has_mask, mask_len, mask_offset, stride_mb, stride_mt, stride_mk,
+    scale, softcap,
     # main keys: ring capacity, QJL scale, bytes of a norm stream, strides
     k_cap, k_sketch_dim, k_qjl_scale, k_norm_bytes,
     stride_kcb, stride_kch, stride_kcs, stride_knb, stride_knh,
@@ -251,6 +252,8 @@ def attention_kernel(
     stride_bvxb, stride_bvxh, stride_bvxs,
     # sink keys and values: strides and the values' ring capacity
     stride_skb, stride_skh, stride_sks, stride_svb, stride_svh, stride_svs, sv_cap,
+    # compile-time: whether the scores are softcapped (their cap: softcap)
+    SOFTCAP: tl.constexpr,
     # compile-time: the layer's storage formats (rqlib.kernels.limits.attention_formats)
     head_dim: tl.constexpr,
     k_exact: tl.constexpr, k_dim: tl.constexpr, k_bits: tl.constexpr,
@@ -341,7 +344,7 @@ def attention_kernel(
         before_band = keys[None, :] <= positions[:, None] - band
         not_band = before_band | (keys[None, :] > positions[:, None]) | (band_k_mode == 0)
         visible = visible * not_band.to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
+        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
         if v_exact != 0:
             v_tile = exact_values(v_x, slots, stride_vxs, in_range, head_dim, v_col0, BLOCK_V)
             acc = tl.dot(p, v_tile, acc, input_precision="ieee")
@@ -394,7 +397,7 @@ def attention_kernel(
         )  # fmt: skip
         after_band_start = keys[None, :] > positions[:, None] - band
         visible = visible * (after_band_start & (keys[None, :] <= positions[:, None])).to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
+        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
         if BAND_VALUE_CODES:
             v_norms_tile = load_norms(bv_norms, slots, bv_width, in_range, bv_norm_bytes)
             centroids = code_values(
@@ -428,7 +431,7 @@ def attention_kernel(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
-        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc)
+        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
         v_tile = exact_values(
             sink_v, keys % sv_cap, stride_svs, in_range, head_dim, v_col0, BLOCK_V
         )
