@@ -350,16 +350,19 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
 def test_a_launch_that_spills_registers_warns_once(rng, monkeypatch):
     """The formats are compile-time, so a GPU can launch a specialization the AOT test did not
     compile. A launch whose compiled kernel reports spilled registers (what a GPU launch
-    returns; the interpreter returns nothing) warns once per specialization, naming it."""
+    returns, one object per specialization; the interpreter returns nothing) warns once per
+    specialization, naming it."""
 
     class Spilling:
         n_spills = 12
+
+    compiled = Spilling()  # Triton returns its cached kernel for every launch of a specialization
 
     class Launch:
         def __getitem__(self, grid):
             def run(*args, **kwargs):
                 launch_(*args, **kwargs)
-                return Spilling()
+                return compiled
 
             launch_ = original[grid]
             return run

@@ -21,7 +21,7 @@ from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
-_SPILLING: set[str] = set()  # compiled specializations already reported by warn_if_spilled
+_SPILLING: set = set()  # compiled specializations already reported by warn_if_spilled
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -119,8 +119,7 @@ def _ring_arguments(stream, device, exact_dtype):
 
     Returns ``(pointers, sizes, strides)``: pointers (codes, norms, signs, residual norms,
     exact, centroids), sizes (ring capacity, QJL sketch dimension and scale, norm-stream
-    bytes), strides (codes
-    b/h/s, norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
+    bytes), strides (codes b/h/s, norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
     u8, exact_dummy = _dummy(device), _dummy(device, exact_dtype)
     if stream is None:
         return (
@@ -330,7 +329,7 @@ def attention(
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )  # fmt: skip
-    warn_if_spilled(compiled, f"attention_kernel[{compile_time}, BLOCK_V={block_v}, {exact_dtype}]")
+    warn_if_spilled(compiled, "attention_kernel", {**compile_time, "BLOCK_V": block_v}, exact_dtype)
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
         part_m,
@@ -355,17 +354,19 @@ def attention(
     return out.reshape(batch, q_heads, length, head_dim)
 
 
-def warn_if_spilled(compiled, label: str) -> None:
-    """Warn once per specialization ``label`` when the kernel ``compiled`` (what a launch on a
-    GPU returns) spills registers to local memory: slower, not wrong. The formats of a layer are
-    compile-time, so a model can launch a specialization that ``tests/test_kernels_aot.py`` did
-    not compile; this is where such a spill shows. Interpreted launches have no ``n_spills``."""
+def warn_if_spilled(compiled, kernel: str, constexprs: dict, dtype) -> None:
+    """Warn once per compiled specialization when ``compiled`` (what a launch on a GPU returns;
+    Triton caches one per specialization) spills registers to local memory: slower, not wrong.
+    The formats of a layer are compile-time, so a model can launch a specialization that
+    ``tests/test_kernels_aot.py`` did not compile; this is where such a spill shows. The
+    message names the kernel, its ``constexprs`` and exact ``dtype``; it is built only then, as
+    this runs at every launch. Interpreted launches have no ``n_spills``."""
     spills = getattr(compiled, "n_spills", None)
-    if spills and label not in _SPILLING:
-        _SPILLING.add(label)
+    if spills and compiled not in _SPILLING:
+        _SPILLING.add(compiled)
         warnings.warn(
-            f"{label} spills {spills} registers to local memory on this GPU: this layer's "
-            "attention runs slower than it would without the spill",
+            f"{kernel}[{constexprs}, {dtype}] spills {spills} registers to local memory on this "
+            "GPU: this layer's attention runs slower than it would without the spill",
             RuntimeWarning,
             stacklevel=3,
         )
