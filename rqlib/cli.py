@@ -619,8 +619,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep-tiles",
         action="store_true",
-        help="also time the fused attention (packed K and V) for other tile sizes / warp counts "
-        "at the largest kv_len (tuning aid; the defaults live in rqlib.kernels.limits)",
+        help="also time the fused attention (packed K and V) for other tile sizes and "
+        "configurations (warps; scores on tensor or CUDA cores) at the largest kv_len (tuning "
+        "aid; the defaults live in rqlib.kernels.limits)",
     )
 
 

@@ -2,9 +2,9 @@
 
 Triton kernels run under the interpreter on CPU: TRITON_INTERPRET must be set before any
 ``@triton.jit`` function is defined, so it is set here, before any test module imports
-``rqlib.kernels``. Every test runs with the interpreter rounding the inputs of tf32 dots as a
-GPU's tensor cores do (:func:`rqlib.kernels.interpreter.tf32_like_tensor_cores`), so that the
-kernels' products are checked at the precision a GPU computes them.
+``rqlib.kernels``. The interpreter multiplies the fp16 inputs of a ``tl.dot`` exactly and sums
+in float32, as a GPU's tensor cores do, so the kernels' tensor-core products are checked at the
+precision a GPU computes them.
 """
 
 import os
@@ -26,12 +26,3 @@ def rng() -> torch.Generator:
     seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
     print(f"random seed: {seed}")
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def tensor_core_rounding():
-    """The interpreter's tf32 dots round their inputs like a GPU's tensor cores."""
-    from rqlib.kernels.interpreter import tf32_like_tensor_cores
-
-    with tf32_like_tensor_cores():
-        yield

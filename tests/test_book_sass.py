@@ -1,12 +1,15 @@
 """Instructions per key of the compiled decode step (rqlib.book.sass), counted without a GPU.
 
 The listing parser and the loop count are checked on a hand-written listing whose counts are
-known. The compiled count is checked against what the tile must do: the scores of BLOCK_ROWS
-rows and BLOCK_S keys are IEEE fp32 ``tl.dot`` products, which ptxas turns into one FFMA per
-product and thread; the weighted values are three tf32 tensor-core products (``exact_dot``),
-one ``HMMA.1688`` (16 x 8 x 8 multiply-adds) per warp for each 16 x 8 x 8 block of the tile and
-each product, with no warp repeating another's. A count that missed the trips of the loop over the
-coordinates (the scores' chunks) finds far fewer FFMA, and the test shows that it fails.
+known. The compiled count is checked against what the tile must do. The weighted values are two
+fp16 tensor-core products (``split_dot``), ``HMMA.16816`` (16 x 8 x 16 multiply-adds) blocks of
+the tile, which the warps share without repeating one another. The scores of BLOCK_ROWS rows and
+BLOCK_S keys are two more tensor-core products in the first configuration (a tile of 16 x 16
+scores has fewer blocks than a block has warps to spread them over, so a warp may repeat
+another's, but none does more than the whole tile), or IEEE fp32 ``tl.dot`` products on the CUDA
+cores in the other, which ptxas turns into one FFMA per product and thread. A count that missed
+the trips of the loop over the coordinates (the scores' chunks) finds far fewer, and the test
+shows that it fails.
 """
 
 from __future__ import annotations
@@ -52,29 +55,52 @@ def test_one_tile_counts_the_nested_loop_trips_times():
 def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     count = sass.compile_decode_path(90, head_dim, 3, 3, 16)
     threads = 32 * count.warps
-    # scores: BLOCK_ROWS x BLOCK_S x d products; the softmax and softcap of the thread's (row,
-    # key) pairs add a few FFMA a tile (at most 8). At head_dim 64 the scores take one step, at
-    # 256 a loop of chunks (limits.attention_chunk)
-    products = geo.BLOCK_ROWS * count.keys * head_dim // threads
-    # weighted values: BLOCK_ROWS x BLOCK_S x BLOCK_V (= d here) products, three times (parts)
-    tensor = 3 * geo.BLOCK_ROWS * count.keys * head_dim // (16 * 8 * 8 * count.warps)
-    print(f"head_dim {head_dim}: {count.per_tile['FFMA']} FFMA a tile, {products} products")
-    print(f"{count.per_tile.get('HMMA', 0)} HMMA a tile and warp, {tensor} blocks")
-    assert products <= count.per_tile["FFMA"] <= products + 8
-    assert count.per_tile.get("HMMA", 0) == tensor
-    assert count.trips == head_dim // geo.attention_chunk(geo.value_block(head_dim))
+    block = 16 * 8 * 16  # multiply-adds of one HMMA.16816
+
+    def blocks(n):  # HMMA blocks of a BLOCK_ROWS x BLOCK_S x n tile, two products (parts)
+        return 2 * geo.BLOCK_ROWS * count.keys * n // block
+
+    values = blocks(geo.value_block(head_dim)) // count.warps  # shared by the warps
+    # the softmax and softcap add a few FFMA for each (row, key) pair a thread owns (at most 8)
+    softmax = 8 * max(1, geo.BLOCK_ROWS * count.keys // threads)
+    hmma, ffma = count.per_tile.get("HMMA", 0), count.per_tile.get("FFMA", 0)
+    print(f"head_dim {head_dim}, configuration {count.config}: {ffma} FFMA, {hmma} HMMA a tile")
+    if count.score_tensor_cores:
+        scores = blocks(head_dim)
+        assert values + scores // count.warps <= hmma <= values + scores
+        assert ffma <= softmax
+        tensor_line = "split_dot"
+    else:
+        # scores: BLOCK_ROWS x BLOCK_S x d products, one FFMA each
+        products = geo.BLOCK_ROWS * count.keys * head_dim // threads
+        assert products <= ffma <= products + softmax
+        assert hmma == values
+        tensor_line = "tl.dot"
+    assert count.trips == -(-head_dim // geo.attention_chunk(geo.value_block(head_dim)))
     if count.trips > 1:  # head_dim 256: the scores walk the coordinates in chunks
-        missing_trips = sass.tile_counts(list(count.instructions), trips=1)
-        assert missing_trips["FFMA"] < products  # the check rejects a count without the trips
+        missing = sass.tile_counts(list(count.instructions), trips=1)
+        if count.score_tensor_cores:
+            assert missing["HMMA"] < values + blocks(head_dim) // count.warps
+        else:
+            assert missing["FFMA"] < products  # the check rejects a count without the trips
     by_class = count.by_class()
     assert sum(by_class.values()) == pytest.approx(count.warp_instructions_per_key)
     lines = count.by_source(top=1000)
     assert sum(per_key for *_, per_key in lines) == pytest.approx(count.warp_instructions_per_key)
     texts = [text for _, text, _ in lines]
-    assert any("tl.dot" in text for text in texts)  # the source lines are the kernel's
-    assert by_class["fp32 multiply-add (FFMA)"] == pytest.approx(
-        count.per_tile["FFMA"] * count.warps / count.keys
-    )
+    assert any(tensor_line in text for text in texts)  # the source lines are the kernel's
+    assert by_class["tensor-core products (HMMA)"] == pytest.approx(hmma * count.warps / count.keys)
+
+
+def test_a_decode_step_in_the_presets_format_runs_the_first_configuration():
+    """At head dimensions 64 and 128, the presets' format (3-bit keys, 2-bit values, a band of
+    8-bit codes, 11-bit norms) fits four warps with the scores on tensor cores without spilling,
+    on sm_80 and sm_90; so the count is of that configuration."""
+    for arch in (80, 90):
+        for head_dim in (64, 128):
+            count = sass.compile_decode_path(arch, head_dim, 3, 2, 11)
+            assert count.config == 0 and count.score_tensor_cores, (arch, head_dim)
+            assert count.warps == geo.ATTENTION_CONFIGS[0].num_warps
 
 
 def test_issue_budget():
@@ -95,6 +121,7 @@ def test_issue_summary_of_a_known_count():
     assert summary["budget_fp16"] == pytest.approx(5 * 52.8)
     assert summary["ratio"] == pytest.approx(320 / 52.8)
     assert summary["fma_share"] == 0.5 and summary["int_share"] == 0.25
+    assert summary["hmma_share"] == 0 and summary["smem_share"] == 0
     assert summary["padding_share"] == 0.5 * 12 / 16  # 4 rows padded to 16
     assert summary["fma_floor"] == 4 * 128 / 32  # the scores' products
     # 320 instructions at 132 x 4 x 2 GHz take 0.303 ns; 500 bytes at 2 TB/s take 0.25 ns

@@ -8,6 +8,12 @@ Gemma 3 (sliding-window layers, which evict) and Qwen2 (GQA 7:1), with a left-pa
 two. The Triton kernels run in the interpreter (``cache.set_backend("triton")``: the attention
 kernel and the quantize kernel) and must give the same tokens as the torch path.
 
+Codebooks. The attention kernel reads the codebook rounded to fp16 (rqlib.kernels.numerics),
+the torch path the float32 one; here both read the rounded one (every quantizer the presets
+build is replaced by ``numerics.kernel_quantizer`` of itself), so that they compute the same
+sums. tests/test_kernels_attention.py checks the kernel on the float32 codebooks against the
+reference read with the kernel's.
+
 Logit tolerance. Both paths compute the same sums in fp32 in different orders: attention outputs
 agree to ~1e-6 relative (tests/test_kernels_attention.py measures ~4e-7), which a few layers of a
 random model with logits of magnitude ~1 amplify to well under 1e-4; a code that flips at a
@@ -19,6 +25,7 @@ be identical either way.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -26,12 +33,23 @@ import torch
 from tiny_models import VOCAB, ByteTokenizer, preset_config, tiny_model
 
 from rqlib.hf import compress
+from rqlib.kernels import numerics
+from rqlib.spec import codecs
 from rqlib.spec.presets import PRESETS
 
 pytestmark = pytest.mark.interpreter
 
 LOGIT_TOL = 1e-4
 FLIPPED_CODE_TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def kernel_codebooks(monkeypatch):
+    """Every quantizer a config builds decodes with the kernel's codebook, in both paths."""
+    original = codecs._quantizer
+    monkeypatch.setattr(
+        codecs, "_quantizer", functools.cache(lambda *a: numerics.kernel_quantizer(original(*a)))
+    )
 
 
 def stored_codes(cache) -> list[torch.Tensor]:

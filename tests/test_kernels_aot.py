@@ -9,22 +9,48 @@ registers, spills, shared memory and the theoretical occupancy of each.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from rqlib.book.sass import decode_layout
+from rqlib.kernels import aot
+from rqlib.kernels import limits as geo
 from rqlib.kernels.aot import SM_LIMITS, occupancy, specializations
 
 REQUIRED_ARCHS = {"sm_80", "sm_90"}
-#: Kernels allowed to spill registers to local memory: none. The attention kernel compiles each
-#: layer format, selects its mask and softcap without branches, cuts accumulators at 256 columns
-#: (128 when a block of 256 would mask columns), is not software-pipelined and may take 255
-#: registers a thread (see rqlib.kernels.triton_attention); a spill in any specialization of
-#: the list fails this test.
+#: Kernels allowed to spill registers to local memory: none, in the configuration a launch
+#: settles on. The attention kernel compiles each layer format, selects its mask and softcap
+#: without branches, cuts accumulators at 256 columns (128 when a block of 256 would mask
+#: columns), is not software-pipelined and may take 255 registers a thread (see
+#: rqlib.kernels.triton_attention); each format is compiled in every configuration of
+#: limits.ATTENTION_CONFIGS and a launch takes the first that does not spill
+#: (launch.settle_config), so a format fails this test when it spills in all of them. The other
+#: kernels have one configuration: a spill in any of their specializations fails it.
 SPILLING: set[str] = set()
+#: head dims at which the presets' format must fit the first attention configuration
+FIRST_CONFIGURATION_HEAD_DIMS = (64, 128)
+
+
+def settled_configurations(records: list[dict]) -> dict[tuple[str, str], int | None]:
+    """``(attention layout label without its configuration, arch) -> the index of the first
+    configuration that compiled without spilling`` (``None``: every one spilled)."""
+    flags = [c.constexprs()["SCORE_TENSOR_CORES"] for c in geo.ATTENTION_CONFIGS]
+    stacks: dict = {}
+    for r in records:
+        match = re.search(r", SCORE_TENSOR_CORES=(\d)", r["kernel"])
+        if r["kernel"].startswith("attention_kernel") and match:
+            layout = r["kernel"].replace(match.group(0), "")
+            stacks.setdefault((layout, r["arch"]), {})[flags.index(int(match.group(1)))] = r
+    return {
+        key: next((i for i in sorted(runs) if runs[i].get("stack", 0) == 0), None)
+        for key, runs in stacks.items()
+    }
 
 
 def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
@@ -62,9 +88,24 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     expected = {(s.label, arch) for s in specializations() for arch in archs}
     assert compiled == expected
     assert all("regs" in r for r in records), "cuobjdump reported no register count"
-    spilling = {r["kernel"].split("[")[0] for r in records if r.get("stack", 0) > 0}
+    others = [r for r in records if not r["kernel"].startswith("attention_kernel")]
+    spilling = {r["kernel"].split("[")[0] for r in others if r.get("stack", 0) > 0}
     assert spilling == SPILLING, f"kernels that spill: {spilling}, expected {SPILLING}"
     assert all(0 < r["occupancy"] <= 1 for r in records)
+    settled = settled_configurations(records)
+    assert len(settled) == len(aot.attention_layouts()) * len(archs)
+    print(f"{'arch':<7} {'configuration':>13}  attention layout")
+    for (layout, arch), index in sorted(settled.items(), key=lambda item: item[0][::-1]):
+        print(f"{arch:<7} {index!s:>13}  {layout}")
+    never = [key for key, index in settled.items() if index is None]
+    assert not never, f"attention layouts that spill in every configuration: {never}"
+    first = geo.ATTENTION_CONFIGS[0]
+    for d, dtype, arch in itertools.product(
+        FIRST_CONFIGURATION_HEAD_DIMS, aot.TRITON_DTYPES.values(), REQUIRED_ARCHS
+    ):
+        spec = aot.attention_specialization(decode_layout(d, 3, 2, 11), dtype, first)
+        layout = re.sub(r", SCORE_TENSOR_CORES=\d", "", spec.label)
+        assert settled[(layout, arch)] == 0, (layout, arch)
 
 
 @pytest.mark.parametrize(

@@ -2,20 +2,23 @@
 
 Each case builds one :class:`CompressedLayer` from codecs (no model), feeds it a prompt, decode
 steps and a short chunk, and after every update compares ``kernels.attention(...,
-backend="triton")`` and the float32 torch path with ``reference.attention(..., dtype=float64)``
-on the same stored state. Decode steps use many splits (``DEFAULT_PARTITION`` is set to 16 keys)
-so that the reduce merges several partial results. Every launch is also checked to be one of
-the specializations ``tests/test_kernels_aot.py`` compiles for real GPUs and checks for spills.
+backend="triton")`` with ``reference.attention(..., dtype=float64)`` on the same stored state
+read with the kernel's codebook (the codebook rounded to fp16, ``numerics.on_kernel_codebook``),
+and the float32 torch path with the same reference on the float32 codebook. Decode steps use
+many splits (``DEFAULT_PARTITION`` is set to 16 keys) so that the reduce merges several partial
+results. Every launch is also checked to be one of the specializations
+``tests/test_kernels_aot.py`` compiles for real GPUs and checks for spills.
 
 Tolerance: both sides read the same stored codes and norms, and exact vectors converted to
 float exactly; the fp32 paths accumulate at most D + m <= 1282 products per score and softmax
 over <= 40 keys, so their rounding error is of order sqrt(D) * 2^-24 ~ 1e-6 relative to the
-largest output. The kernel weights coded values on tf32 tensor cores (``exact_dot``), which the
-interpreter here rounds as a GPU does (tests/conftest.py); its split loses less than 3 * 2^-20
-of each product, below that fp32 level, where a single tf32 product would err by up to 2^-10.
-1e-5 leaves a 10x margin, while any logic error (a band pair read from the main stream, a
-missing sink, a wrong norm, a mask off by one, a weight rounded to tf32) moves outputs at the
-1e-4 to 1e-2 level (the mutation checks in the report were caught by these cases).
+largest output. The kernel multiplies codebook values on fp16 tensor cores with the other
+factor split in two fp16 parts (``triton_common.split_dot``), which loses at most
+``2^-22 |x| + 2^-25`` of each factor, below that fp32 level (the interpreter multiplies fp16
+inputs exactly, as a tensor core does). 1e-5 leaves a 10x margin, while any logic error (a
+band pair read from the main stream, a missing sink, a wrong norm, a mask off by one, a weight
+rounded to fp16 instead of split, a codebook read unrounded) moves outputs at the 1e-4 to 1e-2
+level (the mutation checks in the report were caught by these cases).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from rqlib import kernels
 from rqlib.core.quantizers import make_quantizer
 from rqlib.hf.cache import CompressedLayer
 from rqlib.hf.codec import ChannelPart, VectorCodec
-from rqlib.kernels import aot, launch, reference
+from rqlib.kernels import aot, launch, numerics, reference
 from rqlib.kernels import limits as geo
 from rqlib.kernels.state import CausalMask, DenseMask
 from rqlib.kernels.store import round_capacity
@@ -236,9 +239,16 @@ def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> Non
             k: v for k, v in keywords.items() if k not in ("num_warps", "num_stages", "maxnreg")
         }
         dtype = aot.TRITON_DTYPES[arguments["sink_k_ptr"].dtype]
-        layout = {k: v for k, v in constexprs.items() if k not in aot.ATTENTION_TILE}
-        layout = {k: v for k, v in layout.items() if k not in ("BLOCK_V", "CHUNK")}
-        expected = aot.attention_specialization(layout, dtype)
+        for name in aot.ATTENTION_CODEBOOKS:
+            assert aot.TRITON_DTYPES[arguments[name].dtype] == aot.CODEBOOK, name
+        config = next(
+            c
+            for c in geo.ATTENTION_CONFIGS
+            if c.num_warps == keywords["num_warps"] and c.constexprs().items() <= constexprs.items()
+        )
+        tiles = {*aot.ATTENTION_TILE, "BLOCK_V", "CHUNK", *config.constexprs()}
+        layout = {k: v for k, v in constexprs.items() if k not in tiles}
+        expected = aot.attention_specialization(layout, dtype, config)
         assert constexprs == expected.constexprs
         assert options == (expected.num_warps, expected.num_stages, expected.maxnreg)
         if listed:
@@ -266,9 +276,15 @@ def test_triton_attention_matches_the_torch_implementation(case, rng, recorded):
         state = layer.state()
         options = dict(scale=scale, softcap=case.softcap)
         expected = reference.attention(state, q.double(), mask, dtype=torch.float64, **options)
+        on_kernel_codebook = numerics.on_kernel_codebook(state)
+        kernel_expected = reference.attention(
+            on_kernel_codebook, q.double(), mask, dtype=torch.float64, **options
+        )
         got = kernels.attention(state, q, mask, backend="triton", **options)
         assert got.shape == expected.shape and got.dtype == torch.float32
-        assert relative_error(got, expected) <= TOLERANCE
+        assert relative_error(got, kernel_expected) <= TOLERANCE
+        if case.keys is not None:  # the rounded codebook is what the kernel reads
+            assert relative_error(got, expected) > relative_error(got, kernel_expected)
         torch_path = kernels.attention(state, q, mask, backend="torch", **options)
         assert relative_error(torch_path, expected) <= TOLERANCE
         if padding is not None and first < 3 and not case.dense:  # pad queries see no key
@@ -333,7 +349,8 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
     state = dataclasses.replace(layer.state(), start=total - 1)
     mask = CausalMask(1, total - 1, 1, 0, total)
     q = torch.randn(1, 2, 1, d, generator=rng)
-    expected = reference.attention(state, q.double(), mask, scale=0.1, dtype=torch.float64)
+    kernel_state = numerics.on_kernel_codebook(state)
+    expected = reference.attention(kernel_state, q.double(), mask, scale=0.1, dtype=torch.float64)
     calls = []
     original = launch.attention
     monkeypatch.setattr(
@@ -347,22 +364,26 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)
 
 
-def test_a_launch_that_spills_registers_warns_once(rng, monkeypatch):
+def test_a_format_whose_kernel_spills_takes_the_next_configuration(rng, monkeypatch):
     """The formats are compile-time, so a GPU can launch a specialization the AOT test did not
     compile. A launch whose compiled kernel reports spilled registers (what a GPU launch
-    returns, one object per specialization; the interpreter returns nothing) warns once per
-    specialization, naming it."""
+    returns, one object per specialization; the interpreter returns nothing) moves its layer
+    format to the next of ``limits.ATTENTION_CONFIGS``, quietly; the last configuration's spill
+    warns once per specialization, naming it. Other formats keep the first configuration."""
 
     class Spilling:
         n_spills = 12
 
-    compiled = Spilling()  # Triton returns its cached kernel for every launch of a specialization
+    spilling = {}  # Triton returns its cached kernel for every launch of a specialization
+    warps = []
 
     class Launch:
         def __getitem__(self, grid):
             def run(*args, **kwargs):
                 launch_(*args, **kwargs)
-                return compiled
+                warps.append(kwargs["num_warps"])
+                key = (kwargs["num_warps"], kwargs["v_bits"])
+                return spilling.setdefault(key, Spilling()) if kwargs["v_bits"] == 2 else None
 
             launch_ = original[grid]
             return run
@@ -370,14 +391,27 @@ def test_a_launch_that_spills_registers_warns_once(rng, monkeypatch):
     original = launch.attention_kernel
     monkeypatch.setattr(launch, "attention_kernel", Launch())
     monkeypatch.setattr(launch, "_SPILLING", set())
+    monkeypatch.setattr(launch, "_CONFIG_OF", {})
     d = 64
-    keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
-    layer = CompressedLayer(0, keys, values)
-    layer.active = True
-    layer.update(torch.randn(1, 1, 5, d, generator=rng), torch.randn(1, 1, 5, d, generator=rng))
     mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
-    with pytest.warns(RuntimeWarning, match=r"k_bits': 3.*spills 12 registers"):
-        kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")
+
+    def state(value_bits):
+        keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, value_bits))
+        layer = CompressedLayer(0, keys, values)
+        layer.active = True
+        x = torch.randn(2, 1, 1, 5, d, generator=rng)
+        layer.update(x[0], x[1])
+        return layer.state()
+
+    spills, fits = state(2), state(3)
+    first, last = (c.num_warps for c in (geo.ATTENTION_CONFIGS[0], geo.ATTENTION_CONFIGS[-1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first configuration's spill moves on quietly
+        kernels.attention(spills, q, mask, scale=0.1, backend="triton")
+    with pytest.warns(RuntimeWarning, match=r"v_bits': 2.*spills 12 registers"):
+        kernels.attention(spills, q, mask, scale=0.1, backend="triton")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second launch of the same specialization is quiet
-        kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")
+        kernels.attention(spills, q, mask, scale=0.1, backend="triton")
+        kernels.attention(fits, q, mask, scale=0.1, backend="triton")
+    assert warps == [first, last, last, first]

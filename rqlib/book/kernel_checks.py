@@ -8,10 +8,12 @@ starting as NaN so that an element a kernel forgot to write shows up as an error
 with ``Quantizer.inner_product``; :func:`attention_check` compares ``rqlib.kernels.attention``
 over a cache layer (packed keys and values, exact sink and recent tokens) with the float64 torch
 implementation, for a prompt and for a decode step. Both return the maximum relative errors.
-:func:`exact_dot_check` measures the tensor-core products of the weighted values
-(``exact_dot``) against float64, next to a single tf32 product. On a CPU every check runs the
-kernels in the interpreter, which then rounds tf32 inputs as a tensor core does
-(:func:`rqlib.kernels.interpreter.tf32_like_tensor_cores`).
+:func:`attention_check` compares with the reference read with the kernel's codebook (the
+codebook rounded to fp16, :mod:`rqlib.kernels.numerics`), and reports how far the kernel is from
+the float32 codebook's attention too. :func:`split_dot_check` measures the kernel's tensor-core
+products (``split_dot``) against float64, next to a single fp16 product. On a CPU every check
+runs the kernels in the interpreter, which multiplies fp16 inputs exactly, as a tensor core
+does.
 :func:`byte_table` is the byte-count model of ``rqlib.study.bench`` for several key bit widths;
 :func:`benchmark` times the kernels on a GPU.
 
@@ -21,7 +23,6 @@ Import this module after ``TRITON_INTERPRET`` is set (on a CPU): it imports ``rq
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -35,9 +36,8 @@ import triton.language as tl
 from rqlib import kernels
 from rqlib.book.checks import relative_error
 from rqlib.core.quantizers import make_quantizer
-from rqlib.kernels import reference
-from rqlib.kernels.interpreter import tf32_like_tensor_cores
-from rqlib.kernels.triton_common import exact_dot, tf32_parts
+from rqlib.kernels import numerics, reference
+from rqlib.kernels.triton_common import fp16_parts, split_dot
 from rqlib.study import bench
 
 __all__ = [
@@ -48,10 +48,11 @@ __all__ = [
     "benchmark",
     "byte_table",
     "attention_check",
-    "exact_dot_check",
+    "fp16_products",
     "scores_check",
+    "split_dot_bound",
+    "split_dot_check",
     "split_examples",
-    "tf32_products",
     "tolerance",
 ]
 
@@ -181,11 +182,6 @@ def _gaussian(generator: torch.Generator, device: str, *shape: int) -> torch.Ten
     return torch.randn(*shape, generator=generator).to(device)
 
 
-def _like_a_gpu(device: str):
-    """On a CPU, the interpreter's tf32 dots round like a tensor core; on a GPU, nothing to do."""
-    return tf32_like_tensor_cores() if device == "cpu" else contextlib.nullcontext()
-
-
 def _poisoned() -> None:
     """Make every output and scratch buffer of the Triton launches start as NaN."""
     from rqlib.kernels import launch
@@ -208,8 +204,7 @@ def scores_check(head_dim: int, bits: int, group: int, seed: int, device: str) -
     q = _gaussian(generator, device, shape.batch, shape.kv_heads * group, shape.q_len, head_dim)
     scale = head_dim**-0.5
     started = time.perf_counter()
-    with _like_a_gpu(device):
-        scores = kernels.fused_scores(q, keys, scale=scale, backend="triton")
+    scores = kernels.fused_scores(q, keys, scale=scale, backend="triton")
     seconds = time.perf_counter() - started
     exact64 = reference.fused_scores(q.double(), keys, scale=scale, dtype=torch.float64)
     per_query_head = keys.map(lambda t: t.repeat_interleave(group, dim=1).unsqueeze(2))
@@ -227,8 +222,12 @@ def attention_check(
     """The fused attention (Triton) against the float64 torch implementation on one cache layer
     that stores prod keys and MSE values as packed codes, exact sink tokens and an exact recent
     band: a prompt of ``q_len`` queries ending the stored sequence (query and key blocks) and a
-    decode step cut into several splits. ``{"prompt": error, "decode": error, "splits": n,
-    "seconds": ...}``."""
+    decode step cut into several splits, against the reference read with the kernel's codebook
+    (``prompt``, ``decode``) and with the float32 one (``prompt_codebook``,
+    ``decode_codebook``: what rounding the codebook to fp16 moves), and the float32 codebook's
+    reference against attention over the keys and values before compression
+    (``prompt_compression``, ``decode_compression``: what compressing them moves).
+    ``{"prompt": error, ..., "splits": n, "seconds": ...}``."""
     import time
 
     from rqlib.kernels.state import CausalMask
@@ -249,63 +248,91 @@ def attention_check(
         chunk = dataclasses.replace(state, start=state.end - q_len)
         started = time.perf_counter()
         # a short partition: several splits even at this short length
-        with _like_a_gpu(device):
-            out = kernels.attention(
-                chunk, q, mask, scale=scale, backend="triton", partition=s.partition
-            )
+        out = kernels.attention(
+            chunk, q, mask, scale=scale, backend="triton", partition=s.partition
+        )
         seconds += time.perf_counter() - started
-        exact = reference.attention(chunk, q.double(), mask, scale=scale, dtype=torch.float64)
+        on_kernel_codebook = numerics.on_kernel_codebook(chunk)
+        options = dict(scale=scale, dtype=torch.float64)
+        exact = reference.attention(on_kernel_codebook, q.double(), mask, **options)
         errors[name] = relative_error(out, exact)
+        exact = reference.attention(chunk, q.double(), mask, **options)
+        errors[f"{name}_codebook"] = relative_error(out, exact)
+        errors[f"{name}_compression"] = relative_error(exact, _uncompressed(q, k, v, scale))
     return {**errors, "splits": math.ceil(s.decode_kv_len / s.partition), "seconds": seconds}
 
 
+def _uncompressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Causal attention in float64 of queries ``q`` ending the sequence over the uncompressed
+    keys and values ``k``, ``v`` (``[B, KV, S, d]``, each KV head read by its query group)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    q_len, kv_len = q.shape[2], k.shape[2]
+    positions = torch.arange(kv_len - q_len, kv_len, device=q.device)
+    hidden = torch.arange(kv_len, device=q.device)[None, :] > positions[:, None]
+    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 @triton.jit
-def _tf32_products_kernel(
-    x_ptr, y_ptr, exact_ptr, plain_ptr, hi_ptr, lo_ptr,
+def _fp16_products_kernel(
+    x_ptr, y_ptr, split_ptr, plain_ptr, hi_ptr, lo_ptr,
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
 ):  # fmt: skip
     rows, inner, cols = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
     x = tl.load(x_ptr + rows[:, None] * K + inner[None, :])
     y = tl.load(y_ptr + inner[:, None] * N + cols[None, :])
     out = rows[:, None] * N + cols[None, :]
-    tl.store(exact_ptr + out, exact_dot(x, y, tl.zeros((M, N), dtype=tl.float32)))
-    tl.store(plain_ptr + out, tl.dot(x, y, input_precision="tf32"))
-    hi, lo = tf32_parts(x)
+    tl.store(split_ptr + out, split_dot(x, y, tl.zeros((M, N), dtype=tl.float32)))
+    tl.store(plain_ptr + out, tl.dot(x.to(tl.float16), y))
+    hi, lo = fp16_parts(x)
     tl.store(hi_ptr + rows[:, None] * K + inner[None, :], hi)
     tl.store(lo_ptr + rows[:, None] * K + inner[None, :], lo)
 
 
-def tf32_products(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``x @ y`` for float32 ``x`` ``[M, K]`` and ``y`` ``[K, N]`` (M, K, N powers of two, at
-    least 16) in one Triton program: ``"exact"`` by ``exact_dot``, ``"plain"`` by one tf32
-    ``tl.dot``, and ``tf32_parts(x)`` as ``"hi"`` and ``"lo"``. On a CPU the interpreter rounds
-    like a tensor core."""
+def fp16_products(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``x @ y`` for float32 ``x`` ``[M, K]`` (within fp16's range) and fp16 ``y`` ``[K, N]``
+    (M, K, N powers of two, at least 16) in one Triton program: ``"split"`` by ``split_dot``,
+    ``"plain"`` by one fp16 ``tl.dot`` (``x`` rounded to fp16), and ``fp16_parts(x)`` as
+    ``"hi"`` and ``"lo"``."""
     (m, k), n = x.shape, y.shape[1]
-    result = {name: x.new_empty(m, n) for name in ("exact", "plain")}
-    result.update({name: x.new_empty(m, k) for name in ("hi", "lo")})
-    with _like_a_gpu(x.device.type):
-        _tf32_products_kernel[(1,)](
-            x, y, result["exact"], result["plain"], result["hi"], result["lo"], m, k, n
-        )
+    result = {name: x.new_empty(m, n) for name in ("split", "plain")}
+    result.update({name: x.new_empty(m, k, dtype=torch.float16) for name in ("hi", "lo")})
+    _fp16_products_kernel[(1,)](
+        x, y, result["split"], result["plain"], result["hi"], result["lo"], m, k, n
+    )
     return result
 
 
-def exact_dot_check(seed: int, device: str, m: int = 16, k: int = 64, n: int = 16) -> dict:
-    """``exact_dot`` and a single tf32 ``tl.dot`` of two float32 matrices (magnitudes spread over
-    several octaves) against float64. Returns the largest ratio of each one's error to the
-    entrywise bound ``(3 * 2^-20 + K 2^-24) sum |x||y|`` (``exact_dot`` must stay at or below 1)
-    and the largest error of each relative to the largest product."""
+def split_dot_bound(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The entrywise bound on ``|split_dot(x, y) - x @ y|`` (float64): the split's remainder,
+    ``(2^-22 |x| + 2^-25) |y|`` a product (:data:`rqlib.kernels.numerics.PART_REMAINDER`), and
+    a float32 sum (rounded to nearest) of the ``2K`` exact products of the two parts into the
+    accumulator, ``(2K + 1) 2^-24`` of their magnitudes."""
+    relative, absolute = numerics.PART_REMAINDER
+    k = x.shape[-1]
+    magnitudes = x.double().abs() @ y.double().abs()
+    return (relative + (2 * k + 1) * 2.0**-24) * magnitudes + absolute * y.double().abs().sum(0)
+
+
+def split_dot_check(seed: int, device: str, m: int = 16, k: int = 64, n: int = 16) -> dict:
+    """``split_dot`` and a single fp16 ``tl.dot`` of a float32 matrix (magnitudes spread over
+    several octaves, some below fp16's normal range) and an fp16 one, against float64. Returns
+    the largest ratio of each one's error to :func:`split_dot_bound` (``split_dot`` must stay
+    at or below 1) and the largest error of each relative to the largest product."""
     generator = torch.Generator().manual_seed(seed)
     x, y = (
         torch.randn(*shape, generator=generator)
         * torch.exp(2 * torch.randn(*shape, generator=generator))
         for shape in ((m, k), (k, n))
     )
-    got = tf32_products(x.to(device), y.to(device))
+    x = x.clamp(-60000.0, 60000.0)  # within fp16's range, as the kernel's factors are
+    y = y.clamp(-60000.0, 60000.0).to(torch.float16)
+    got = fp16_products(x.to(device), y.to(device))
     expected = x.double() @ y.double()
-    bound = (3 * 2.0**-20 + k * 2.0**-24) * (x.double().abs() @ y.double().abs())
+    bound = split_dot_bound(x, y)
     result = {}
-    for name in ("exact", "plain"):
+    for name in ("split", "plain"):
         error = (got[name].cpu().double() - expected).abs()
         result[f"{name}_over_bound"] = float((error / bound).max())
         result[f"{name}_error"] = float(error.max() / expected.abs().max())

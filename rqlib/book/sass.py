@@ -8,9 +8,11 @@ instructions come from the machine code (SASS) that ptxas produces for the atten
 1. :func:`compile_decode_path` compiles the specialization of ``attention_kernel`` that a
    decode step launches for one layer format (:func:`decode_layout`: keys and values as codes,
    no QJL; the formats are compile-time, so the branches of other formats are not in it; the
-   mask, window and positions stay run-time arguments, as in a launch). It runs in a
-   subprocess without ``TRITON_INTERPRET``, like :func:`rqlib.book.ptx.compile_ptx`, and
-   disassembles it with the source line of every instruction (``nvdisasm -g``).
+   mask, window and positions stay run-time arguments, as in a launch), in the configuration
+   the launch settles on: the first of ``limits.ATTENTION_CONFIGS`` whose kernel does not
+   spill (``launch.settle_config``). It runs in a subprocess without ``TRITON_INTERPRET``, like
+   :func:`rqlib.book.ptx.compile_ptx`, and disassembles it with the source line of every
+   instruction (``nvdisasm -g``).
 2. :func:`parse_sass` reads the instructions (address, opcode, branch target, source line).
 3. :func:`tile_counts` finds the main stream's loop (the first outermost loop: a backward
    branch) and counts the opcodes of one iteration, which handles ``BLOCK_S`` keys. A loop
@@ -166,13 +168,22 @@ def tile_counts(
 @dataclass(frozen=True)
 class IssueCount:
     """The opcodes one thread issues for one tile of ``keys`` keys of the main loop (and the
-    listing they were counted from)."""
+    listing they were counted from), in configuration ``config`` (an index into
+    ``limits.ATTENTION_CONFIGS``)."""
 
     per_tile: dict
     keys: int
     warps: int
     trips: int
     instructions: tuple = field(default=(), repr=False)
+    config: int = 0
+
+    @property
+    def score_tensor_cores(self) -> bool:
+        """Whether the scores of this configuration run on tensor cores."""
+        from rqlib.kernels import limits as geo
+
+        return geo.ATTENTION_CONFIGS[self.config].score_tensor_cores
 
     @property
     def per_key_per_thread(self) -> float:
@@ -247,11 +258,12 @@ def issue_summary(
     """What the count of a decode step says, per key and KV head: ``per_key`` warp instructions;
     the ``budget_packed`` and ``budget_fp16`` instructions a GPU issues while its HBM delivers
     ``packed_bytes`` or ``fp16_bytes`` (a key and a value in each format); their ``ratio``
-    (count / packed budget); the shares of fp32 multiply-adds, of the multiply-adds spent on
-    rows padded from ``rows`` (the group of a decode step) to the 16 of ``tl.dot``, and of integer
-    arithmetic; ``fma_floor``: the warp instructions of the multiply-adds a key's scores need on
-    CUDA cores without any padding (``rows`` scores of ``head_dim`` coordinates, one FFMA each,
-    32 lanes a warp; the weighted values run on tensor cores); and ``vs_fp16``: the step's issue
+    (count / packed budget); the shares of fp32 multiply-adds, of tensor-core products, of
+    shared memory and barriers, of the multiply-adds spent on rows padded from ``rows`` (the
+    group of a decode step) to the 16 of ``tl.dot``, and of integer arithmetic;
+    ``fma_floor``: the warp instructions the multiply-adds of a key's scores would need on CUDA
+    cores without any padding (``rows`` scores of ``head_dim`` coordinates, one FFMA each, 32
+    lanes a warp); and ``vs_fp16``: the step's issue
     floor (nanoseconds at one instruction per scheduler and clock) over the time to read the
     fp16 key and value at the HBM rate."""
     from rqlib.kernels import limits as geo
@@ -268,6 +280,8 @@ def issue_summary(
         "budget_fp16": issue_budget(fp16_bytes, hbm_gbs, sm_count, clock_ghz),
         "ratio": per_key / budget_packed,
         "fma_share": fma / per_key,
+        "hmma_share": classes["tensor-core products (HMMA)"] / per_key,
+        "smem_share": classes["shared memory and barriers"] / per_key,
         "padding_share": fma * padded / per_key,
         "int_share": classes["integer and address arithmetic"] / per_key,
         "fma_floor": rows * head_dim / 32,
@@ -292,12 +306,15 @@ def decode_layout(head_dim: int, key_bits: int, value_bits: int, norm_bits: int)
     return {**formats, "SOFTCAP": 0}
 
 
-def _decode_spec(*layout: int, exact: str = "fp16"):
-    """The attention specialization that a decode step of :func:`decode_layout` launches with
-    ``exact`` sink vectors."""
+def _decode_spec(*layout: int, config: int = 0, exact: str = "fp16"):
+    """The attention specialization of a decode step of :func:`decode_layout` with ``exact``
+    sink vectors, in ``limits.ATTENTION_CONFIGS[config]``."""
     from rqlib.kernels import aot
+    from rqlib.kernels import limits as geo
 
-    return aot.attention_specialization(decode_layout(*layout), exact)
+    return aot.attention_specialization(
+        decode_layout(*layout), exact, geo.ATTENTION_CONFIGS[config]
+    )
 
 
 def compile_decode_path(
@@ -310,7 +327,8 @@ def compile_decode_path(
     timeout: float = 300.0,
 ) -> IssueCount:
     """Compile the decode path (:func:`decode_layout`) of ``attention_kernel`` for
-    ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET`` and count one main-loop tile.
+    ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET``, in the first configuration whose
+    kernel does not spill (as a launch settles), and count one main-loop tile.
 
     Raises ``RuntimeError`` with the end of the compiler's stderr when the compile fails.
     """
@@ -337,17 +355,24 @@ def compile_decode_path(
     trips = math.ceil(head_dim / usage["chunk"])
     instructions = parse_sass(text)
     counts = tile_counts(instructions, trips)
-    return IssueCount(dict(counts), usage["keys"], usage["warps"], trips, tuple(instructions))
+    return IssueCount(
+        dict(counts), usage["keys"], usage["warps"], trips, tuple(instructions), usage["config"]
+    )
 
 
 def _main(argv: list[str]) -> int:
     """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS OUT``:
-    write the SASS of the decode path, print its tile (keys, chunk, warps) as JSON."""
+    write the SASS of the decode path in the configuration a launch settles on, print its tile
+    (keys, chunk, warps, configuration) as JSON."""
     from rqlib.kernels import aot
+    from rqlib.kernels import limits as geo
 
     arch, *layout = (int(value) for value in argv[:5])
-    spec = _decode_spec(*layout)
-    compiled = aot.compile_kernel(aot.kernel_objects()[spec.kernel], spec, arch)
+    for config in range(len(geo.ATTENTION_CONFIGS)):
+        spec = _decode_spec(*layout, config=config)
+        compiled = aot.compile_kernel(aot.kernel_objects()[spec.kernel], spec, arch)
+        if not aot.resource_usage(compiled.asm["cubin"]).get("stack", 0):
+            break
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
@@ -357,7 +382,7 @@ def _main(argv: list[str]) -> int:
         ).stdout
     Path(argv[5]).write_text(sass)
     tile = {"keys": spec.constexprs["BLOCK_S"], "chunk": spec.constexprs["CHUNK"]}
-    print(json.dumps({**tile, "warps": spec.num_warps}))
+    print(json.dumps({**tile, "warps": spec.num_warps, "config": config}))
     return 0
 
 

@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 import torch
 
 from rqlib.kernels import limits as geo
+from rqlib.kernels.numerics import CODEBOOK_DTYPE
 
 ARCHS = (80, 90, 100)
 FLOAT_ARGS = {"qjl_scale", "scale", "softcap", "k_qjl_scale"}
 TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+CODEBOOK = TRITON_DTYPES[CODEBOOK_DTYPE]
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ ATTENTION_BYTES = (
 ).split()
 #: exact vectors of the attention kernel, in the layer's dtype
 ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr sink_v_ptr".split()
+#: the attention kernel's codebooks, in rqlib.kernels.numerics.CODEBOOK_DTYPE
+ATTENTION_CODEBOOKS = "k_centroids_ptr v_centroids_ptr bk_centroids_ptr bv_centroids_ptr".split()
 
 
 def attention_layouts() -> list[tuple[dict, str]]:
@@ -87,8 +91,10 @@ def attention_layouts() -> list[tuple[dict, str]]:
     each dtype; every code width 1-8 for keys and for values, with each kind of band; QJL keys,
     with and without codes; exact keys with coded values and the reverse; the rotors' padded
     widths (at head_dim 256, values 258 wide: two value blocks); and softcapped scores at head
-    dims 128 and 256. A launched specialization outside it that spills warns
-    (``launch.warn_if_spilled``)."""
+    dims 128 and 256. Each is compiled in every configuration of
+    :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`; a launched specialization outside the list
+    that spills moves to the next configuration, and warns in the last
+    (``launch.settle_config``)."""
     fmt, formats = geo.StreamFormat, geo.attention_formats
     exact = fmt(exact=True)
 
@@ -127,18 +133,29 @@ def attention_layouts() -> list[tuple[dict, str]]:
     return layouts
 
 
-def attention_specialization(layout: dict, dtype: str) -> Specialization:
+def attention_specialization(
+    layout: dict, dtype: str, config: geo.AttentionConfig = geo.ATTENTION_CONFIGS[0]
+) -> Specialization:
     """``attention_kernel`` compiled for the compile-time arguments ``layout`` (a layer's
     :func:`rqlib.kernels.limits.attention_formats` and ``SOFTCAP``) and exact vectors of
-    ``dtype``, with the tiles and compile options that ``launch.attention`` picks for it."""
+    ``dtype``, in ``config`` (one of :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`), with the
+    tiles and compile options that ``launch.attention`` picks for it."""
     pointers = {name: "u8" for name in ATTENTION_BYTES}
     pointers.update({name: dtype for name in ATTENTION_EXACT})
+    pointers.update({name: CODEBOOK for name in ATTENTION_CODEBOOKS})
     block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
-    constexprs = {**layout, "BLOCK_V": block, **ATTENTION_TILE, "CHUNK": geo.attention_chunk(block)}
+    constexprs = {
+        **layout,
+        "BLOCK_V": block,
+        **ATTENTION_TILE,
+        "CHUNK": geo.attention_chunk(block),
+        **config.constexprs(),
+    }
     return Specialization(
         "attention_kernel",
         constexprs,
         pointers,
+        num_warps=config.num_warps,
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )
@@ -155,7 +172,11 @@ def specializations() -> list[Specialization]:
             {"codes_ptr": "u8", "signs_ptr": "u8"},
         ),
     ]
-    specs += [attention_specialization(layout, dtype) for layout, dtype in attention_layouts()]
+    specs += [
+        attention_specialization(layout, dtype, config)
+        for layout, dtype in attention_layouts()
+        for config in geo.ATTENTION_CONFIGS
+    ]
     specs.append(
         Specialization("reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS)
     )

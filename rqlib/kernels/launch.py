@@ -16,12 +16,15 @@ import torch
 from rqlib.core.packing import packed_size
 from rqlib.core.quantizers import CompressedVectors
 from rqlib.kernels import limits as geo
+from rqlib.kernels import numerics
 from rqlib.kernels.triton_attention import attention_kernel, reduce_kernel
 from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
-_SPILLING: set = set()  # compiled specializations already reported by warn_if_spilled
+_SPILLING: set = set()  # compiled specializations already reported by settle_config
+#: layer format (compile-time arguments, exact dtype, device) -> index into ATTENTION_CONFIGS
+_CONFIG_OF: dict = {}
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -121,16 +124,13 @@ def _ring_arguments(stream, device, exact_dtype):
     exact, centroids), sizes (ring capacity, QJL sketch dimension and scale, norm-stream
     bytes), strides (codes b/h/s, norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
     u8, exact_dummy = _dummy(device), _dummy(device, exact_dtype)
+    no_codebook = _dummy(device, numerics.CODEBOOK_DTYPE)
     if stream is None:
-        return (
-            (u8, u8, u8, u8, exact_dummy, _dummy(device, torch.float32)),
-            (0, 0, 0.0, 0),
-            (0,) * 13,
-        )
+        return (u8, u8, u8, u8, exact_dummy, no_codebook), (0, 0, 0.0, 0), (0,) * 13
     if stream.is_exact:
         ring = stream.exact
         x = ring.buffers["exact"]
-        pointers = (u8, u8, u8, u8, x, _dummy(device, torch.float32))
+        pointers = (u8, u8, u8, u8, x, no_codebook)
         return pointers, (ring.capacity, 0, 0.0, 0), (0,) * 10 + tuple(x.stride()[:3])
     part = stream.parts[0]
     ring, qz = part.ring, part.quantizer
@@ -139,9 +139,7 @@ def _ring_arguments(stream, device, exact_dtype):
     codes = buffers.get("codes", u8.expand(1, 1, 1, 1))
     signs = buffers.get("signs", u8.expand(1, 1, 1, 1))
     rnorms = buffers.get("rnorms", u8.expand(1, 1, 1))
-    centroids = qz.centroids.to(device=device, dtype=torch.float32).contiguous()
-    if centroids.numel() == 0:
-        centroids = _dummy(device, torch.float32)
+    centroids = numerics.kernel_centroids(qz, device)
     pointers = (codes, norms, signs, rnorms, exact_dummy, centroids)
     qjl_dim, qjl_scale = (qz.qjl_dim, float(qz.qjl_scale)) if qz.has_qjl else (0, 0.0)
     sizes = (ring.capacity, qjl_dim, qjl_scale, norms.shape[-1])
@@ -212,7 +210,9 @@ def attention(
     """Launch :func:`attention_kernel` and :func:`reduce_kernel`; float32 ``[B, Hq, Lq, d]``.
 
     The host does only work independent of the context: the query side (rotations of the
-    queries, ``<q, mu>``), views of the buffers, and the rotation of the accumulators back. A
+    queries, scaled into fp16's range for the tensor cores by
+    :func:`rqlib.kernels.numerics.scaled_rows`, and ``<q, mu>``), views of the buffers, and
+    the rotation of the accumulators back. A
     decode step's keys are cut into splits (:func:`split_plan`: of at most ``partition`` keys,
     or chosen from the SM count)."""
     batch, q_heads, length, head_dim = q.shape
@@ -232,23 +232,25 @@ def attention(
     rows = q.float().reshape(batch, kv_heads, group, length, head_dim).transpose(2, 3)
     rows = rows.reshape(batch, kv_heads, n_rows, head_dim)
     zeros = rows.new_zeros(1)
-    q_main, q_sketch = zeros, zeros
+    q_main, q_main_scale, q_sketch = zeros, zeros, zeros
     mean = rows.new_zeros(batch, kv_heads, n_rows)  # <q, mu>
     if not keys.is_exact:
         qz = keys.parts[0].quantizer
         scaled = rows if keys.scale is None else rows / keys.scale.float().to(device)[None, :, None]
-        q_main = (scaled @ qz.rotation.matrix.to(device).T).contiguous()
+        rotated = scaled @ qz.rotation.matrix.to(device).T
+        q_main, q_main_scale = numerics.scaled_rows(rotated)
         if qz.has_qjl:
-            q_sketch = (q_main @ qz.sketch.to(device).T).contiguous()
+            q_sketch = (rotated @ qz.sketch.to(device).T).contiguous()
         if keys.mean is not None:
             mean = (rows * keys.mean.float().to(device)[None, :, None]).sum(-1).contiguous()
-    q_band, band_mean = zeros, rows.new_zeros(batch, kv_heads, n_rows)
+    q_band, q_band_scale, band_mean = zeros, zeros, rows.new_zeros(batch, kv_heads, n_rows)
     band_k_mode = band_v_mode = 0
     if state.band_keys is not None:
         band_k_mode = 1 if state.band_keys.is_exact else 2
         if band_k_mode == 2:
             band = state.band_keys
-            q_band = (rows @ band.parts[0].quantizer.rotation.matrix.to(device).T).contiguous()
+            rotated = rows @ band.parts[0].quantizer.rotation.matrix.to(device).T
+            q_band, q_band_scale = numerics.scaled_rows(rotated)
             if band.mean is not None:
                 band_mean = (rows * band.mean.float().to(device)[None, :, None]).sum(-1)
                 band_mean = band_mean.contiguous()
@@ -305,8 +307,11 @@ def attention(
     part_m = empty((total_rows, n_splits, 3), torch.float32, device)
     part_l = empty((total_rows, n_splits, 3), torch.float32, device)
     part_acc = empty((total_rows, n_splits, 3, acc_width), torch.float32, device)
+    layer_format = (tuple(compile_time.items()), block_v, exact_dtype, device)
+    config_index = _CONFIG_OF.get(layer_format, 0)
+    config = geo.ATTENTION_CONFIGS[config_index]
     compiled = attention_kernel[(batch * kv_heads, n_row_blocks, n_splits * value_blocks)](
-        rows, q_main, q_sketch, q_band, mean, band_mean,
+        rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
         *k_ptrs, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
         bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_ptrs[5],
         bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
@@ -325,11 +330,12 @@ def attention(
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
         CHUNK=geo.attention_chunk(block_v),
-        num_warps=geo.NUM_WARPS,
+        **config.constexprs(),
+        num_warps=config.num_warps,
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )  # fmt: skip
-    warn_if_spilled(compiled, "attention_kernel", {**compile_time, "BLOCK_V": block_v}, exact_dtype)
+    settle_config(compiled, layer_format, config_index)
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
         part_m,
@@ -354,19 +360,28 @@ def attention(
     return out.reshape(batch, q_heads, length, head_dim)
 
 
-def warn_if_spilled(compiled, kernel: str, constexprs: dict, dtype) -> None:
-    """Warn once per compiled specialization when ``compiled`` (what a launch on a GPU returns;
-    Triton caches one per specialization) spills registers to local memory: slower, not wrong.
-    The formats of a layer are compile-time, so a model can launch a specialization that
-    ``tests/test_kernels_aot.py`` did not compile; this is where such a spill shows. The
-    message names the kernel, its ``constexprs`` and exact ``dtype``; it is built only then, as
-    this runs at every launch. Interpreted launches have no ``n_spills``."""
+def settle_config(compiled, layer_format: tuple, index: int) -> None:
+    """After a launch of ``ATTENTION_CONFIGS[index]`` for ``layer_format``: when ``compiled``
+    (what a launch on a GPU returns; Triton caches one per specialization) spills registers to
+    local memory, the format's later launches take the next configuration; when the last one
+    spills too, warn once per compiled specialization, naming it (slower, not wrong). The
+    formats of a layer are compile-time, so a model can launch a specialization that
+    ``tests/test_kernels_aot.py`` did not compile; this is where its spill shows. This runs at
+    every launch: the message is built only when it is needed. Interpreted launches have no
+    ``n_spills`` and keep the first configuration."""
     spills = getattr(compiled, "n_spills", None)
-    if spills and compiled not in _SPILLING:
+    if not spills:
+        return
+    if index + 1 < len(geo.ATTENTION_CONFIGS):
+        _CONFIG_OF[layer_format] = index + 1
+    elif compiled not in _SPILLING:
         _SPILLING.add(compiled)
+        compile_time, block_v, dtype, _ = layer_format
+        config = geo.ATTENTION_CONFIGS[index]
         warnings.warn(
-            f"{kernel}[{constexprs}, {dtype}] spills {spills} registers to local memory on this "
-            "GPU: this layer's attention runs slower than it would without the spill",
+            f"attention_kernel[{dict(compile_time)}, BLOCK_V={block_v}, {dtype}, {config}] "
+            f"spills {spills} registers to local memory on this GPU in every configuration: "
+            "this layer's attention runs slower than it would without the spill",
             RuntimeWarning,
             stacklevel=3,
         )

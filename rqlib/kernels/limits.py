@@ -43,7 +43,7 @@ SCORES_BLOCK_S = 32  # keys per fused_scores tile
 ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)
 BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
 BLOCK_N = 16  # vectors per quantize program
-NUM_WARPS = 8  # scores, attention and quantize kernels
+NUM_WARPS = 8  # scores and quantize kernels
 ATTENTION_NUM_STAGES = 1  # no software pipelining: its prefetched tiles spill on sm_80
 ATTENTION_MAX_REGISTERS = 255  # ptxas would cap a narrow tile at 128 (two blocks an SM) and
 # spill; the attention kernel takes the registers it needs instead (one block an SM)
@@ -54,6 +54,29 @@ SPLIT_WAVES = 2  # a decode step launches enough splits for this many programs p
 MAX_PARTIAL_SHARE = 0.25  # a split's partial results cost at most this share of what it reads
 VALUE_BLOCKS = (64, 128, 256)  # accumulator widths per program (next power of two >= 64)
 MAX_VALUE_WIDTH = 512  # wider value vectors have no kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """How an attention program runs: its warps, and whether the scores of codes run on fp16
+    tensor cores (``triton_common.split_dot``) or on the CUDA cores. Both compute the same sums
+    to float32 accuracy; they differ in instructions and registers."""
+
+    num_warps: int
+    score_tensor_cores: bool
+
+    def constexprs(self) -> dict[str, int]:
+        """The kernel's compile-time arguments for this configuration."""
+        return {"SCORE_TENSOR_CORES": int(self.score_tensor_cores)}
+
+
+#: The attention kernel's configurations, in order of preference. Four warps with the scores on
+#: tensor cores issue the fewest instructions per key (rqlib.book.sass counts them: each warp
+#: repeats the bookkeeping of a tile, and the scores' multiply-adds leave the CUDA cores), but
+#: their registers fit only the lighter formats; eight warps with the scores on the CUDA cores
+#: fit every format of the covering set. A layer format takes the first configuration whose
+#: compiled kernel does not spill registers (``launch.attention``; tests/test_kernels_aot.py).
+ATTENTION_CONFIGS = (AttentionConfig(4, True), AttentionConfig(8, False))
 
 
 def partial_bytes(rows: int, acc_width: int) -> int:

@@ -21,10 +21,12 @@ and the values weighted in place: codes accumulate ``p ||v|| c[codes]`` in the v
 rotated space, exact vectors in the model's coordinates. Nothing is ever decoded to a value
 vector per key; the rotations back happen once per query after the reduce.
 
-Precision: the products of weights ``p ||v||`` with centroids run on tf32 tensor cores with
-float32 accuracy (:func:`~rqlib.kernels.triton_common.exact_dot`: both factors split into two
-tf32 parts, three products). The scores, and every product with exact vectors, are IEEE fp32
-on the CUDA cores.
+Precision: every product with codebook values (the scores of coded keys and the weighted coded
+values) runs on fp16 tensor cores, to float32 accuracy on the kernel's codebook, the codebook
+rounded to fp16 (:mod:`rqlib.kernels.numerics`): the other factor, the query rows (scaled into
+fp16's range by a power of two on the host) or the weights ``p ||v||``, is split into two fp16
+parts (:func:`~rqlib.kernels.triton_common.split_dot`). QJL signs and every product with exact
+vectors are IEEE fp32 on the CUDA cores.
 
 Formats are compile-time: the head dimension, which streams are exact or codes, code widths,
 rotated dimensions and norm widths (:func:`rqlib.kernels.limits.attention_formats`), and so is
@@ -36,12 +38,15 @@ run-time argument: as a constant, its loop becomes straight-line code that needs
 more than sm_90 has. So do causal order and whether a mask tensor is read: as constants they
 save a few instructions per key but make the heaviest layouts spill.
 
-The kernel is shaped so that no specialization spills registers (``tests/test_kernels_aot.py``
-compiles a covering set for sm_80 and sm_90; a launched specialization that spills warns, see
-``launch.warn_if_spilled``): a run-time branch inside a loop keeps the registers of both sides
-live, so the mask and the window are selected arithmetically. Accumulators wider than 256 columns (a
-rotor's padded width at head_dim 256), or between 128 and 256 (at head_dim 128), are cut into
-blocks of BLOCK_V columns, one program each, which recompute the same scores. The loops are not
+The kernel is shaped so that every layer format has a configuration that spills no register
+(``limits.ATTENTION_CONFIGS``: four warps with the scores on tensor cores where they fit, else
+eight with the scores on the CUDA cores; ``tests/test_kernels_aot.py`` compiles a covering set
+for sm_80 and sm_90; a launch whose kernel spills moves its format to the next configuration,
+and the last one warns, see ``launch.settle_config``): a run-time branch inside a loop keeps
+the registers of both sides live, so the mask and the window are selected arithmetically.
+Accumulators wider than 256 columns (a rotor's padded width at head_dim 256), or between 128
+and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program each, which
+recompute the same scores. The loops are not
 software-pipelined (``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And
 a thread may take up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would
 cap a 64-column tile at 128 to fit two blocks an SM, and spill.
@@ -69,12 +74,12 @@ import triton.language as tl
 
 from rqlib.kernels.triton_common import (
     code_scores,
-    exact_dot,
     exact_scores,
     group_loads,
     load_code_groups,
     load_codes,
     sign_scores,
+    split_dot,
 )
 
 
@@ -100,7 +105,7 @@ def code_values(
     centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
-    ``[BLOCK_S, BLOCK_V]``."""
+    ``[BLOCK_S, BLOCK_V]``, in the dtype of the codebook ``centroids_ptr``."""
     cols = col0 + tl.arange(0, BLOCK_V)
     v_mask = key_mask[:, None] & (cols < width)[None, :]
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
@@ -218,9 +223,12 @@ def store_partial(
 
 @triton.jit
 def attention_kernel(
-    # query side, fp32, one row per (batch, KV head, position, head of the group)
-    q_raw_ptr, q_main_ptr, q_sketch_ptr, q_band_ptr, mean_ptr, band_mean_ptr,
-    # main keys: codes, norm stream, QJL signs and residual-norm stream, or exact vectors
+    # query side, fp32, one row per (batch, KV head, position, head of the group); the rows
+    # read against codes scaled by a power of two per row (q_main_scale, q_band_scale)
+    q_raw_ptr, q_main_ptr, q_main_scale_ptr, q_sketch_ptr, q_band_ptr, q_band_scale_ptr,
+    mean_ptr, band_mean_ptr,
+    # main keys: codes, norm stream, QJL signs and residual-norm stream, or exact vectors; the
+    # codebooks (*_centroids_ptr) are fp16 (rqlib.kernels.numerics)
     k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr, k_exact_ptr, k_centroids_ptr,
     # main values: codes and norm stream, or exact vectors
     v_codes_ptr, v_norms_ptr, v_exact_ptr, v_centroids_ptr,
@@ -264,8 +272,10 @@ def attention_kernel(
     bk_code_bytes: tl.constexpr, bk_width: tl.constexpr,
     BAND_VALUE_CODES: tl.constexpr, bv_dim: tl.constexpr, bv_bits: tl.constexpr,
     bv_code_bytes: tl.constexpr, bv_width: tl.constexpr,
-    # compile-time: tiles
+    # compile-time: tiles, and whether the scores of codes run on tensor cores (the
+    # configuration: rqlib.kernels.limits.ATTENTION_CONFIGS)
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
+    SCORE_TENSOR_CORES: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of the keys for one block of rows and one block of value
     columns, one loop per stream; see the module doc."""
@@ -308,6 +318,7 @@ def attention_kernel(
     v_norms = v_norms_ptr + b * stride_vnb + kvh * stride_vnh
     v_x = v_exact_ptr + b * stride_vxb + kvh * stride_vxh
     mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0)  # <q, mu> (zeros: no mean)
+    q_main_scale = tl.load(q_main_scale_ptr + q_rows, mask=row_mask, other=0.0)
     m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
     first_slot = main_lo % tl.maximum(k_cap, 1)
     for tile in range(main_lo, main_hi, BLOCK_S):
@@ -325,8 +336,8 @@ def attention_kernel(
             scores = code_scores(
                 q_main_ptr, q_rows, row_mask, k_dim, k_codes, slots, stride_kcs, in_range,
                 k_bits, k_code_bytes, k_centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
-                group_loads(k_bits, k_dim, CHUNK),
-            ) * norms[None, :]  # fmt: skip
+                group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES,
+            ) * (q_main_scale[:, None] * norms[None, :])  # fmt: skip
             if k_qjl > 0:
                 rnorms = load_norms(k_rnorms, slots, k_width, in_range, k_norm_bytes)
                 qjl = sign_scores(
@@ -354,7 +365,7 @@ def attention_kernel(
                 v_codes, slots, stride_vcs, in_range, v_bits, v_code_bytes, v_centroids_ptr,
                 v_dim, v_col0, BLOCK_V,
             )  # fmt: skip
-            acc = exact_dot(p * v_norms_tile[None, :], centroids, acc)
+            acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
     store_partial(
         part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 0, row_mask, m_i, l_i,
         acc, v_col0, acc_width, BLOCK_V,
@@ -372,6 +383,7 @@ def attention_kernel(
     bv_norms = bv_norms_ptr + b * stride_bvnb + kvh * stride_bvnh
     bv_x = bv_exact_ptr + b * stride_bvxb + kvh * stride_bvxh
     band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0)
+    q_band_scale = tl.load(q_band_scale_ptr + q_rows, mask=row_mask, other=0.0)
     m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
     first_slot = band_lo % tl.maximum(b_cap, 1)
     for tile in range(band_lo, band_hi, BLOCK_S):
@@ -384,8 +396,8 @@ def attention_kernel(
             scores = code_scores(
                 q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, in_range,
                 bk_bits, bk_code_bytes, bk_centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
-                group_loads(bk_bits, bk_dim, CHUNK),
-            ) * norms[None, :] + band_mean[:, None]  # fmt: skip
+                group_loads(bk_bits, bk_dim, CHUNK), SCORE_TENSOR_CORES,
+            ) * (q_band_scale[:, None] * norms[None, :]) + band_mean[:, None]  # fmt: skip
         else:
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, in_range,
@@ -404,7 +416,7 @@ def attention_kernel(
                 bv_codes, slots, stride_bvcs, in_range, bv_bits, bv_code_bytes, bv_centroids_ptr,
                 bv_dim, v_col0, BLOCK_V,
             )  # fmt: skip
-            acc = exact_dot(p * v_norms_tile[None, :], centroids, acc)
+            acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
         else:
             v_tile = exact_values(
                 bv_x, keys % bv_cap, stride_bvxs, in_range, head_dim, v_col0, BLOCK_V

@@ -8,17 +8,15 @@ in byte t // 8 and, when (t % 8) + b > 8, also in the next byte: the unpack belo
 first byte always and the second only where the code straddles, so widths that divide 8
 (1, 2, 4, 8) read each byte once. Where the width and the dimension are compile-time (the
 attention kernel), :func:`load_code_groups` reads eight codes a load instead of one.
+
+Products: IEEE fp32 on the CUDA cores, or on fp16 tensor cores to float32 accuracy with
+:func:`split_dot` (the attention kernel's products with codebook values).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from rqlib.kernels.interpreter import TF32_DROPPED_BITS
-
-#: clears the float32 mantissa bits that tf32 drops (as an int32 mask of the bit pattern)
-TF32_MASK = tl.constexpr(-(1 << TF32_DROPPED_BITS))
 
 
 @triton.jit
@@ -139,38 +137,39 @@ def query_chunk(q_ptr, q_rows, row_mask, dim, cols, col_mask):
 
 
 @triton.jit
-def tf32_parts(x):
-    """``(hi, lo)``, float32 tensors of tf32 numbers (10 mantissa bits, the low 13 cleared) with
-    ``|x - hi - lo| < 2^-20 |x|``: ``hi`` keeps the leading 11 significant bits of ``x``, ``lo``
-    those of the rest (tf32 as :func:`rqlib.kernels.interpreter.round_to_tf32` defines it)."""
-    hi = (x.to(tl.int32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)
-    lo = ((x - hi).to(tl.int32, bitcast=True) & TF32_MASK).to(tl.float32, bitcast=True)
+def fp16_parts(x):
+    """``(hi, lo)``, fp16 tensors with ``x = hi + lo + r``, ``|r| <= 2^-22 |x| + 2^-25``, for a
+    float32 ``x`` within fp16's range: ``hi`` is ``x`` rounded to fp16, ``lo`` the remainder
+    rounded (:data:`rqlib.kernels.numerics.PART_REMAINDER`)."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
     return hi, lo
 
 
 @triton.jit
-def exact_dot(x, y, acc):
-    """``acc + x @ y`` of float32 tensors on tf32 tensor cores, to float32 accuracy: both split
-    into their :func:`tf32_parts`, three products ``hi hi + lo hi + hi lo``. A tensor core reads
-    the parts without rounding them and multiplies them exactly (11 x 11 significant bits fit in
-    float32's 24); only ``lo lo`` and the bits beyond the parts are lost, less than
-    ``3 * 2^-20 |x||y|`` a product, where one tf32 product loses up to ``2^-10``."""
-    x_hi, x_lo = tf32_parts(x)
-    y_hi, y_lo = tf32_parts(y)
-    acc = tl.dot(x_hi, y_hi, acc, input_precision="tf32")
-    acc = tl.dot(x_lo, y_hi, acc, input_precision="tf32")
-    return tl.dot(x_hi, y_lo, acc, input_precision="tf32")
+def split_dot(x, y, acc):
+    """``acc + x @ y`` for a float32 ``x`` within fp16's range and an fp16 ``y``, on fp16
+    tensor cores, to float32 accuracy: ``x`` split into its :func:`fp16_parts`, two products
+    ``hi y + lo y``. A tensor core multiplies fp16 numbers exactly (11 by 11 significant bits
+    fit in float32's 24) and accumulates in float32; only the remainder of the split is lost,
+    where one fp16 product would round every ``x`` to 2^-11 of itself."""
+    hi, lo = fp16_parts(x)
+    acc = tl.dot(hi, y, acc)
+    return tl.dot(lo, y, acc)
 
 
 @triton.jit
 def code_scores(
     q_ptr, q_rows, row_mask, dim, codes_ptr, slots, stride_s, key_mask, bits, code_bytes,
     centroids_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    GROUPS: tl.constexpr = False,
+    GROUPS: tl.constexpr = False, TENSOR_CORES: tl.constexpr = False,
 ):  # fmt: skip
     """``<q_row, c[codes_key]>`` for rows x keys, CHUNK coordinates at a time (codes read
     eight at a time with ``GROUPS``: compile-time ``bits`` and ``dim`` that
-    :func:`group_loads` accepts)."""
+    :func:`group_loads` accepts). The codebook ``centroids_ptr`` is float32 or fp16. IEEE fp32
+    on the CUDA cores, or with ``TENSOR_CORES`` :func:`split_dot` on fp16 tensor cores, for an
+    fp16 codebook and query rows within fp16's range
+    (:func:`rqlib.kernels.numerics.scaled_rows`): the same sums to float32 accuracy."""
     cols = tl.arange(0, CHUNK)
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     acc = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
@@ -184,7 +183,11 @@ def code_scores(
         else:
             codes = load_codes(rows_ptr, c, k_mask, bits, code_bytes)
         k_tile = tl.load(centroids_ptr + codes, mask=k_mask, other=0.0)
-        acc += tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
+        if TENSOR_CORES:
+            acc = split_dot(q_tile, tl.trans(k_tile), acc)
+        else:
+            k_tile = k_tile.to(tl.float32)
+            acc = tl.dot(q_tile, tl.trans(k_tile), acc, input_precision="ieee")
     return acc
 
 

@@ -175,7 +175,7 @@ def check_on_gpu(args, device, length: int = 1000) -> None:
         error = float((got - expected).abs().max() / expected.abs().max())
         worst = max(worst, error)
         print(f"GPU check: {name:<24} relative error vs torch {error:.2e}")
-    if worst > 1e-3 or not codes_equal:  # fp16 queries round by 5e-4
+    if worst > 1e-3 or not codes_equal:  # fp16 queries and the fp16 codebook round to 2^-11
         raise RuntimeError("the Triton kernels disagree with the torch references on this GPU")
 
 
@@ -281,20 +281,24 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     return results
 
 
-# (ATTENTION_BLOCK_S, CHUNK, NUM_WARPS) candidates, the defaults first; CHUNK 0 takes
-# limits.attention_chunk's choice for the accumulator width. Every block dimension stays >= 16
-# for tl.dot.
-TILE_CANDIDATES = ((16, 0, 8), (16, 16, 8), (16, 32, 8), (16, 0, 4), (32, 0, 8), (64, 16, 8))
+# (ATTENTION_BLOCK_S, CHUNK, configuration) candidates, the defaults first: CHUNK 0 takes
+# limits.attention_chunk's choice for the accumulator width; the configuration indexes
+# limits.ATTENTION_CONFIGS (warps, and whether the scores run on tensor cores). Every block
+# dimension stays >= 16 for tl.dot.
+TILE_CANDIDATES = ((16, 0, 0), (16, 0, 1), (16, 16, 0), (16, 32, 1), (32, 0, 0), (64, 16, 1))
 
 
 def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
     """Time the packed-K/V attention for each TILE_CANDIDATES entry, checking each is correct.
     Candidates other than the defaults are compiled just in time and may spill registers
-    (``tests/test_kernels_aot.py`` checks the defaults).
+    (``tests/test_kernels_aot.py`` checks the defaults); each runs in its configuration alone,
+    with no fallback to another.
 
     Returns (BLOCK_S, CHUNK, warps, milliseconds, relative error vs torch) per candidate.
     """
     import triton.testing
+
+    from rqlib.kernels import launch
 
     batch, kv_heads, d = args.batch, args.kv_heads, args.head_dim
     q_heads = kv_heads * args.group
@@ -305,24 +309,31 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     small = decode_layer(key_qz, value_qz, k[:, :, :777], v[:, :, :777], n_sink=0, band=0)
     expected = decode_step(small, q, scale, "torch")
     nbytes = batch * kv_heads * kv_len * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
-    defaults = (geo.ATTENTION_BLOCK_S, dict(geo.ATTENTION_CHUNKS), geo.NUM_WARPS)
+    defaults = (geo.ATTENTION_BLOCK_S, dict(geo.ATTENTION_CHUNKS), geo.ATTENTION_CONFIGS)
     print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (CHUNK 0: {defaults[1]})")
-    print(f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'time us':>9} {'GB/s':>7} {'rel err':>8}")
+    print(
+        f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'scores':>7} {'time us':>9} {'GB/s':>7} "
+        f"{'rel err':>8}"
+    )
     rows = []
     try:
-        for block_s, chunk, warps in TILE_CANDIDATES:
-            geo.ATTENTION_BLOCK_S, geo.NUM_WARPS = block_s, warps
+        for block_s, chunk, index in TILE_CANDIDATES:
+            config = defaults[2][index]
+            geo.ATTENTION_BLOCK_S, geo.ATTENTION_CONFIGS = block_s, (config,)
             geo.ATTENTION_CHUNKS = {b: chunk or defaults[1][b] for b in defaults[1]}
+            launch._CONFIG_OF.clear()
             got = decode_step(small, q, scale)
             error = float((got - expected).abs().max() / expected.abs().max())
             ms = triton.testing.do_bench(lambda: decode_step(layer, q, scale), warmup=25, rep=100)
+            where = "tensor" if config.score_tensor_cores else "CUDA"
             print(
-                f"{block_s:>7} {chunk:>5} {warps:>5} {ms * 1e3:>9.1f} {nbytes / ms / 1e6:>7.0f} "
-                f"{error:>8.1e}"
+                f"{block_s:>7} {chunk:>5} {config.num_warps:>5} {where:>7} {ms * 1e3:>9.1f} "
+                f"{nbytes / ms / 1e6:>7.0f} {error:>8.1e}"
             )
-            rows.append((block_s, chunk, warps, ms, error))
+            rows.append((block_s, chunk, config.num_warps, ms, error))
     finally:
-        geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNKS, geo.NUM_WARPS = defaults
+        geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNKS, geo.ATTENTION_CONFIGS = defaults
+        launch._CONFIG_OF.clear()
     return rows
 
 
