@@ -30,7 +30,7 @@ REQUIRED_ARCHS = {"sm_80", "sm_90"}
 #: columns), is not software-pipelined and may take 255 registers a thread (see
 #: rqlib.kernels.triton_attention); each format is compiled in every configuration of
 #: limits.ATTENTION_CONFIGS and a launch takes the first that does not spill
-#: (launch.settle_config), so a format fails this test when it spills in all of them. The other
+#: (launch.attention_config), so a format fails this test when it spills in all of them. The other
 #: kernels have one configuration: a spill in any of their specializations fails it.
 SPILLING: set[str] = set()
 #: head dims at which the presets' format must fit the first attention configuration

@@ -218,6 +218,9 @@ class RecordedKernel:
 
         return launch_
 
+    def warmup(self, *args, **kwargs):
+        return self.kernel.warmup(*args, **kwargs)
+
 
 @pytest.fixture
 def recorded(monkeypatch) -> RecordedKernel:
@@ -366,31 +369,42 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
 
 def test_a_format_whose_kernel_spills_takes_the_next_configuration(rng, monkeypatch):
     """The formats are compile-time, so a GPU can launch a specialization the AOT test did not
-    compile. A launch whose compiled kernel reports spilled registers (what a GPU launch
-    returns, one object per specialization; the interpreter returns nothing) moves its layer
-    format to the next of ``limits.ATTENTION_CONFIGS``, quietly; the last configuration's spill
-    warns once per specialization, naming it. Other formats keep the first configuration."""
+    compile. Before a layer format's first launch, each of ``limits.ATTENTION_CONFIGS`` is
+    compiled in turn (``warmup``; on a GPU Triton returns the compiled kernel with the
+    registers it spills, the interpreter nothing) until one does not spill, and the format
+    keeps that one: a spilling kernel is never launched while another configuration does not
+    spill. When all spill, the last is launched and a warning names the format, once. Other
+    formats keep the first configuration."""
 
-    class Spilling:
-        n_spills = 12
+    class Compiled:
+        """As Triton's CompiledKernel: its spills are known once it is loaded (``run``)."""
 
-    spilling = {}  # Triton returns its cached kernel for every launch of a specialization
-    warps = []
+        n_spills = None
+
+        def __init__(self, spills):
+            self.spills = spills
+
+        @property
+        def run(self):
+            self.n_spills = self.spills
+            return None
+
+    warmed, launched = [], []
 
     class Launch:
+        def warmup(self, *args, grid, **kwargs):
+            warmed.append((kwargs["num_warps"], kwargs["v_bits"]))
+            return Compiled(12 if kwargs["v_bits"] == 2 else 0)
+
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                launch_(*args, **kwargs)
-                warps.append(kwargs["num_warps"])
-                key = (kwargs["num_warps"], kwargs["v_bits"])
-                return spilling.setdefault(key, Spilling()) if kwargs["v_bits"] == 2 else None
+                launched.append(kwargs["num_warps"])
+                return original[grid](*args, **kwargs)
 
-            launch_ = original[grid]
             return run
 
     original = launch.attention_kernel
     monkeypatch.setattr(launch, "attention_kernel", Launch())
-    monkeypatch.setattr(launch, "_SPILLING", set())
     monkeypatch.setattr(launch, "_CONFIG_OF", {})
     d = 64
     mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
@@ -405,13 +419,12 @@ def test_a_format_whose_kernel_spills_takes_the_next_configuration(rng, monkeypa
 
     spills, fits = state(2), state(3)
     first, last = (c.num_warps for c in (geo.ATTENTION_CONFIGS[0], geo.ATTENTION_CONFIGS[-1]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the first configuration's spill moves on quietly
-        kernels.attention(spills, q, mask, scale=0.1, backend="triton")
     with pytest.warns(RuntimeWarning, match=r"v_bits': 2.*spills 12 registers"):
         kernels.attention(spills, q, mask, scale=0.1, backend="triton")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the second launch of the same specialization is quiet
+        warnings.simplefilter("error")  # the format's later launches are quiet
         kernels.attention(spills, q, mask, scale=0.1, backend="triton")
         kernels.attention(fits, q, mask, scale=0.1, backend="triton")
-    assert warps == [first, last, last, first]
+        kernels.attention(fits, q, mask, scale=0.1, backend="triton")
+    assert warmed == [(first, 2), (last, 2), (first, 3)]
+    assert launched == [last, last, first, first]

@@ -10,7 +10,7 @@ instructions come from the machine code (SASS) that ptxas produces for the atten
    no QJL; the formats are compile-time, so the branches of other formats are not in it; the
    mask, window and positions stay run-time arguments, as in a launch), in the configuration
    the launch settles on: the first of ``limits.ATTENTION_CONFIGS`` whose kernel does not
-   spill (``launch.settle_config``). It runs in a subprocess without ``TRITON_INTERPRET``, like
+   spill (``launch.attention_config``). It runs in a subprocess without ``TRITON_INTERPRET``, like
    :func:`rqlib.book.ptx.compile_ptx`, and disassembles it with the source line of every
    instruction (``nvdisasm -g``).
 2. :func:`parse_sass` reads the instructions (address, opcode, branch target, source line).

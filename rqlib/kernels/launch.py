@@ -22,8 +22,7 @@ from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
-_SPILLING: set = set()  # compiled specializations already reported by settle_config
-#: layer format (compile-time arguments, exact dtype, device) -> index into ATTENTION_CONFIGS
+#: layer format (compile-time arguments, exact dtype, device) -> its attention configuration
 _CONFIG_OF: dict = {}
 
 
@@ -307,10 +306,8 @@ def attention(
     part_m = empty((total_rows, n_splits, 3), torch.float32, device)
     part_l = empty((total_rows, n_splits, 3), torch.float32, device)
     part_acc = empty((total_rows, n_splits, 3, acc_width), torch.float32, device)
-    layer_format = (tuple(compile_time.items()), block_v, exact_dtype, device)
-    config_index = _CONFIG_OF.get(layer_format, 0)
-    config = geo.ATTENTION_CONFIGS[config_index]
-    compiled = attention_kernel[(batch * kv_heads, n_row_blocks, n_splits * value_blocks)](
+    grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
+    arguments = (
         rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
         *k_ptrs, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
         bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_ptrs[5],
@@ -325,17 +322,19 @@ def attention(
         *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
         *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
         *sink_k_strides, *sink_v_strides, sv_cap,
+    )  # fmt: skip
+    options = dict(
         **compile_time,
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
         CHUNK=geo.attention_chunk(block_v),
-        **config.constexprs(),
-        num_warps=config.num_warps,
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
-    )  # fmt: skip
-    settle_config(compiled, layer_format, config_index)
+    )
+    layer_format = (tuple(compile_time.items()), block_v, exact_dtype, device)
+    config = attention_config(layer_format, grid, arguments, options)
+    attention_kernel[grid](*arguments, **options, **config.constexprs(), num_warps=config.num_warps)
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
         part_m,
@@ -360,31 +359,52 @@ def attention(
     return out.reshape(batch, q_heads, length, head_dim)
 
 
-def settle_config(compiled, layer_format: tuple, index: int) -> None:
-    """After a launch of ``ATTENTION_CONFIGS[index]`` for ``layer_format``: when ``compiled``
-    (what a launch on a GPU returns; Triton caches one per specialization) spills registers to
-    local memory, the format's later launches take the next configuration; when the last one
-    spills too, warn once per compiled specialization, naming it (slower, not wrong). The
-    formats of a layer are compile-time, so a model can launch a specialization that
-    ``tests/test_kernels_aot.py`` did not compile; this is where its spill shows. This runs at
-    every launch: the message is built only when it is needed. Interpreted launches have no
-    ``n_spills`` and keep the first configuration."""
-    spills = getattr(compiled, "n_spills", None)
-    if not spills:
-        return
-    if index + 1 < len(geo.ATTENTION_CONFIGS):
-        _CONFIG_OF[layer_format] = index + 1
-    elif compiled not in _SPILLING:
-        _SPILLING.add(compiled)
-        compile_time, block_v, dtype, _ = layer_format
-        config = geo.ATTENTION_CONFIGS[index]
-        warnings.warn(
-            f"attention_kernel[{dict(compile_time)}, BLOCK_V={block_v}, {dtype}, {config}] "
-            f"spills {spills} registers to local memory on this GPU in every configuration: "
-            "this layer's attention runs slower than it would without the spill",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def attention_config(layer_format: tuple, grid, arguments, options) -> geo.AttentionConfig:
+    """The configuration a layer format's attention launches in: the first of
+    ``ATTENTION_CONFIGS`` whose compiled kernel does not spill registers to local memory,
+    chosen at the format's first launch and kept. Each candidate is compiled without being
+    launched (``warmup``: Triton caches the kernel, so the launch that follows does not compile
+    again), so no launch runs a spilling kernel while another configuration does not spill.
+    When every one spills (slower, not wrong), the last is taken and a warning names the
+    format, once. The formats of a layer are compile-time, so a model can launch a
+    specialization ``tests/test_kernels_aot.py`` did not compile; this is where its spill shows.
+    An interpreted kernel compiles nothing and takes the first configuration."""
+    if layer_format not in _CONFIG_OF:
+        for config in geo.ATTENTION_CONFIGS:
+            compiled = attention_kernel.warmup(
+                *arguments,
+                grid=grid,
+                **options,
+                **config.constexprs(),
+                num_warps=config.num_warps,
+            )
+            spills = _spilled_registers(compiled)
+            if not spills:
+                break
+        else:
+            _warn_spills(layer_format, config, spills)
+        _CONFIG_OF[layer_format] = config
+    return _CONFIG_OF[layer_format]
+
+
+def _spilled_registers(compiled) -> int:
+    """Registers a compiled kernel spills (0 for ``None``, what an interpreted warmup gives).
+    Triton reads them when it loads the kernel on the device (its ``run`` property does)."""
+    if compiled is None:
+        return 0
+    getattr(compiled, "run", None)  # loads the kernel: n_spills is known from then on
+    return getattr(compiled, "n_spills", 0) or 0
+
+
+def _warn_spills(layer_format: tuple, config: geo.AttentionConfig, spills: int) -> None:
+    compile_time, block_v, dtype, _ = layer_format
+    warnings.warn(
+        f"attention_kernel[{dict(compile_time)}, BLOCK_V={block_v}, {dtype}] spills {spills} "
+        f"registers to local memory on this GPU in every configuration (the last: {config}): "
+        "this layer's attention runs slower than it would without the spill",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _rotate_back(values, accumulated: torch.Tensor, device) -> torch.Tensor:

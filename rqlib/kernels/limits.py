@@ -75,7 +75,8 @@ class AttentionConfig:
 #: repeats the bookkeeping of a tile, and the scores' multiply-adds leave the CUDA cores), but
 #: their registers fit only the lighter formats; eight warps with the scores on the CUDA cores
 #: fit every format of the covering set. A layer format takes the first configuration whose
-#: compiled kernel does not spill registers (``launch.attention``; tests/test_kernels_aot.py).
+#: compiled kernel does not spill registers (``launch.attention_config``;
+#: tests/test_kernels_aot.py).
 ATTENTION_CONFIGS = (AttentionConfig(4, True), AttentionConfig(8, False))
 
 

@@ -41,15 +41,15 @@ save a few instructions per key but make the heaviest layouts spill.
 The kernel is shaped so that every layer format has a configuration that spills no register
 (``limits.ATTENTION_CONFIGS``: four warps with the scores on tensor cores where they fit, else
 eight with the scores on the CUDA cores; ``tests/test_kernels_aot.py`` compiles a covering set
-for sm_80 and sm_90; a launch whose kernel spills moves its format to the next configuration,
-and the last one warns, see ``launch.settle_config``): a run-time branch inside a loop keeps
-the registers of both sides live, so the mask and the window are selected arithmetically.
-Accumulators wider than 256 columns (a rotor's padded width at head_dim 256), or between 128
-and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program each, which
-recompute the same scores. The loops are not
-software-pipelined (``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And
-a thread may take up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would
-cap a 64-column tile at 128 to fit two blocks an SM, and spill.
+for sm_80 and sm_90; a layer format takes the first configuration whose compiled kernel does
+not spill, and warns when all do, see ``launch.attention_config``): a run-time branch inside
+a loop keeps the registers of both sides live, so the mask and the window are selected
+arithmetically. Accumulators wider than 256 columns (a rotor's padded width at head_dim 256),
+or between 128 and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program
+each, which recompute the same scores. The loops are not software-pipelined
+(``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And a thread may take
+up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column
+tile at 128 to fit two blocks an SM, and spill.
 
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
 2 sink). ``reduce_kernel`` merges every split and slot of a row: ``M = max m``, ``L = sum
