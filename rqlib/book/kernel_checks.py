@@ -254,11 +254,12 @@ def attention_check(
         seconds += time.perf_counter() - started
         on_kernel_codebook = numerics.on_kernel_codebook(chunk)
         options = dict(scale=scale, dtype=torch.float64)
-        exact = reference.attention(on_kernel_codebook, q.double(), mask, **options)
-        errors[name] = relative_error(out, exact)
-        exact = reference.attention(chunk, q.double(), mask, **options)
-        errors[f"{name}_codebook"] = relative_error(out, exact)
-        errors[f"{name}_compression"] = relative_error(exact, _uncompressed(q, k, v, scale))
+        kernel_reference = reference.attention(on_kernel_codebook, q.double(), mask, **options)
+        errors[name] = relative_error(out, kernel_reference)
+        float32_reference = reference.attention(chunk, q.double(), mask, **options)
+        errors[f"{name}_codebook"] = relative_error(out, float32_reference)
+        uncompressed = _uncompressed(q, k, v, scale)
+        errors[f"{name}_compression"] = relative_error(float32_reference, uncompressed)
     return {**errors, "splits": math.ceil(s.decode_kv_len / s.partition), "seconds": seconds}
 
 

@@ -76,8 +76,10 @@ ATTENTION_BYTES = (
 ).split()
 #: exact vectors of the attention kernel, in the layer's dtype
 ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr sink_v_ptr".split()
-#: the attention kernel's codebooks, in rqlib.kernels.numerics.CODEBOOK_DTYPE
-ATTENTION_CODEBOOKS = "k_centroids_ptr v_centroids_ptr bk_centroids_ptr bv_centroids_ptr".split()
+#: the attention kernel's codebooks: of the values, in rqlib.kernels.numerics.CODEBOOK_DTYPE; of
+#: the keys, in the configuration's AttentionConfig.score_codebook_dtype
+ATTENTION_CODEBOOKS = "v_centroids_ptr bv_centroids_ptr".split()
+ATTENTION_SCORE_CODEBOOKS = "k_centroids_ptr bk_centroids_ptr".split()
 
 
 def attention_layouts() -> list[tuple[dict, str]]:
@@ -143,6 +145,8 @@ def attention_specialization(
     pointers = {name: "u8" for name in ATTENTION_BYTES}
     pointers.update({name: dtype for name in ATTENTION_EXACT})
     pointers.update({name: CODEBOOK for name in ATTENTION_CODEBOOKS})
+    scores = TRITON_DTYPES[config.score_codebook_dtype]
+    pointers.update({name: scores for name in ATTENTION_SCORE_CODEBOOKS})
     block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
     constexprs = {
         **layout,

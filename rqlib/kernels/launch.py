@@ -307,22 +307,30 @@ def attention(
     part_l = empty((total_rows, n_splits, 3), torch.float32, device)
     part_acc = empty((total_rows, n_splits, 3, acc_width), torch.float32, device)
     grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
-    arguments = (
-        rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
-        *k_ptrs, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
-        bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_ptrs[5],
-        bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
-        sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
-        kv_heads, group, n_rows, state.start, first, state.end, n_splits, partition, first,
-        value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
-        *mask_strides, float(scale), float(softcap or 0.0),
-        *k_sizes, *k_strides,
-        v_sizes[3], *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
-        max(bk_sizes[0], 1), bk_sizes[3], bv_cap, bv_sizes[3],
-        *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
-        *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
-        *sink_k_strides, *sink_v_strides, sv_cap,
-    )  # fmt: skip
+
+    def arguments(config: geo.AttentionConfig) -> tuple:
+        """The launch's arguments in ``config``, whose scores read the keys' codebooks in its
+        dtype."""
+        k_table, bk_table = (
+            _score_codebook(stream, device, config) for stream in (keys, state.band_keys)
+        )
+        return (
+            rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
+            *k_ptrs[:5], k_table, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
+            bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_table,
+            bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
+            sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
+            kv_heads, group, n_rows, state.start, first, state.end, n_splits, partition, first,
+            value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
+            *mask_strides, float(scale), float(softcap or 0.0),
+            *k_sizes, *k_strides,
+            v_sizes[3], *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
+            max(bk_sizes[0], 1), bk_sizes[3], bv_cap, bv_sizes[3],
+            *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
+            *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
+            *sink_k_strides, *sink_v_strides, sv_cap,
+        )  # fmt: skip
+
     options = dict(
         **compile_time,
         BLOCK_V=block_v,
@@ -334,7 +342,9 @@ def attention(
     )
     layer_format = (tuple(compile_time.items()), block_v, exact_dtype, device)
     config = attention_config(layer_format, grid, arguments, options)
-    attention_kernel[grid](*arguments, **options, **config.constexprs(), num_warps=config.num_warps)
+    attention_kernel[grid](
+        *arguments(config), **options, **config.constexprs(), num_warps=config.num_warps
+    )
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
         part_m,
@@ -368,11 +378,12 @@ def attention_config(layer_format: tuple, grid, arguments, options) -> geo.Atten
     When every one spills (slower, not wrong), the last is taken and a warning names the
     format, once. The formats of a layer are compile-time, so a model can launch a
     specialization ``tests/test_kernels_aot.py`` did not compile; this is where its spill shows.
-    An interpreted kernel compiles nothing and takes the first configuration."""
+    An interpreted kernel compiles nothing and takes the first configuration. ``arguments``
+    gives the launch's positional arguments in a configuration."""
     if layer_format not in _CONFIG_OF:
         for config in geo.ATTENTION_CONFIGS:
             compiled = attention_kernel.warmup(
-                *arguments,
+                *arguments(config),
                 grid=grid,
                 **options,
                 **config.constexprs(),
@@ -385,6 +396,15 @@ def attention_config(layer_format: tuple, grid, arguments, options) -> geo.Atten
             _warn_spills(layer_format, config, spills)
         _CONFIG_OF[layer_format] = config
     return _CONFIG_OF[layer_format]
+
+
+def _score_codebook(stream, device, config: geo.AttentionConfig) -> torch.Tensor:
+    """The codebook the scores of ``config`` read for a stream of keys (``None`` or exact: a
+    one-element stand-in, never read), in ``config.score_codebook_dtype``."""
+    dtype = config.score_codebook_dtype
+    if stream is None or stream.is_exact:
+        return _dummy(device, dtype)
+    return numerics.kernel_centroids(stream.parts[0].quantizer, device, dtype)
 
 
 def _spilled_registers(compiled) -> int:

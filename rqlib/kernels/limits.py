@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from rqlib.kernels.numerics import CODEBOOK_DTYPE
+
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_MSE_BITS = 8  # codes of up to 8 bits straddle at most two bytes: the unpack reads two
 MAX_QJL_DIM = 1024
@@ -64,6 +66,12 @@ class AttentionConfig:
 
     num_warps: int
     score_tensor_cores: bool
+
+    @property
+    def score_codebook_dtype(self) -> torch.dtype:
+        """The dtype the scores read the keys' codebook in: fp16 for the tensor cores, float32
+        on the CUDA cores (the same values: ``numerics.kernel_centroids``)."""
+        return CODEBOOK_DTYPE if self.score_tensor_cores else torch.float32
 
     def constexprs(self) -> dict[str, int]:
         """The kernel's compile-time arguments for this configuration."""

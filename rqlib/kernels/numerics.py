@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 
 import torch
 
@@ -49,13 +50,24 @@ CODEBOOK_ROUNDING = 2.0**-11
 PART_REMAINDER = (2.0**-22, 2.0**-25)
 
 
-def kernel_centroids(quantizer, device) -> torch.Tensor:
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # quantizer -> its tables
+
+
+def kernel_centroids(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> torch.Tensor:
     """The attention kernel's codebook for ``quantizer``: its centroids rounded to fp16 (to
-    nearest), on ``device``; a one-element zero table for a quantizer without codes."""
-    centroids = quantizer.centroids
-    if centroids.numel() == 0:
-        return torch.zeros(1, dtype=CODEBOOK_DTYPE, device=device)
-    return centroids.to(device=device, dtype=CODEBOOK_DTYPE).contiguous()
+    nearest), on ``device``, held in ``dtype`` (fp16, or float32 for the scores on the CUDA
+    cores: the same values); a one-element zero table for a quantizer without codes. Made once
+    per quantizer, device and dtype: a launch reads it without converting anything."""
+    tables = _TABLES.setdefault(quantizer, {})
+    key = (torch.device(device), dtype)
+    if key not in tables:
+        centroids = quantizer.centroids
+        if centroids.numel() == 0:
+            table = torch.zeros(1, dtype=dtype, device=device)
+        else:
+            table = centroids.to(device=device, dtype=CODEBOOK_DTYPE).to(dtype).contiguous()
+        tables[key] = table
+    return tables[key]
 
 
 def kernel_quantizer(quantizer):
