@@ -23,13 +23,13 @@ from rqlib.kernels import limits as geo
 from rqlib.kernels.aot import SM_LIMITS, occupancy, specializations
 
 REQUIRED_ARCHS = {"sm_80", "sm_90"}
-#: Kernels allowed to spill registers to local memory: none, in the configuration a launch
-#: settles on. The attention kernel compiles each layer format, selects its mask and softcap
+#: Kernels allowed to spill registers to local memory: none, in a configuration a launch
+#: runs. The attention kernel compiles each layer format, selects its mask and softcap
 #: without branches, cuts accumulators at 256 columns (128 when a block of 256 would mask
 #: columns), is not software-pipelined and may take 255 registers a thread (see
 #: rqlib.kernels.triton_attention); each format is compiled in every configuration of
-#: limits.ATTENTION_CONFIGS and a launch takes the first that does not spill
-#: (launch.attention_config), so a format fails this test when it spills in all of them. The other
+#: limits.ATTENTION_CONFIGS and a launch runs only those that do not spill (the faster measured:
+#: launch.attention_config), so a format fails this test when it spills in all of them. The other
 #: kernels have one configuration: a spill in any of their specializations fails it.
 SPILLING: set[str] = set()
 #: head dims at which the presets' format must fit the first attention configuration

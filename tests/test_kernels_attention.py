@@ -367,14 +367,26 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)
 
 
-def test_a_format_whose_kernel_spills_takes_the_next_configuration(rng, monkeypatch):
+@pytest.fixture
+def fresh_tuning(monkeypatch):
+    """No configuration tuned, no spill known, no warning given yet."""
+    for name in ("_CONFIG_OF", "_SPILLS"):
+        monkeypatch.setattr(launch, name, {})
+    monkeypatch.setattr(launch, "_WARNED", set())
+
+
+def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kept(
+    rng, monkeypatch, fresh_tuning
+):
     """The formats are compile-time, so a GPU can launch a specialization the AOT test did not
     compile. Before a layer format's first launch, each of ``limits.ATTENTION_CONFIGS`` is
-    compiled in turn (``warmup``; on a GPU Triton returns the compiled kernel with the
-    registers it spills, the interpreter nothing) until one does not spill, and the format
-    keeps that one: a spilling kernel is never launched while another configuration does not
-    spill. When all spill, the last is launched and a warning names the format, once. Other
-    formats keep the first configuration."""
+    compiled (``warmup``; on a GPU Triton returns the compiled kernel with the registers it
+    spills, the interpreter nothing); a configuration that spills is never launched, not even
+    to be timed. Of those left, each is timed (``launch.BENCH``) and the fastest is kept for
+    the format's later launches of the same tuning key. When all spill, the last is launched
+    and a warning names the format, once. The stand-in bench says the last configuration is
+    the faster, the opposite of the order of preference, so a tuner that kept the first that
+    fits (or never timed) fails; one that timed a spilling kernel fails on ``timed``."""
 
     class Compiled:
         """As Triton's CompiledKernel: its spills are known once it is loaded (``run``)."""
@@ -389,23 +401,31 @@ def test_a_format_whose_kernel_spills_takes_the_next_configuration(rng, monkeypa
             self.n_spills = self.spills
             return None
 
-    warmed, launched = [], []
+    first, last = geo.ATTENTION_CONFIGS[0], geo.ATTENTION_CONFIGS[-1]
+    warmed, launched, timed = [], [], []
 
     class Launch:
         def warmup(self, *args, grid, **kwargs):
             warmed.append((kwargs["num_warps"], kwargs["v_bits"]))
-            return Compiled(12 if kwargs["v_bits"] == 2 else 0)
+            v_bits, warps = kwargs["v_bits"], kwargs["num_warps"]
+            spills = v_bits == 2 or (v_bits == 4 and warps == first.num_warps)
+            return Compiled(12 if spills else 0)
 
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                launched.append(kwargs["num_warps"])
+                launched.append((kwargs["num_warps"], kwargs["v_bits"]))
                 return original[grid](*args, **kwargs)
 
             return run
 
+    def bench(run):
+        run()
+        timed.append(launched.pop())
+        return {first.num_warps: 2.0, last.num_warps: 1.0}[timed[-1][0]]
+
     original = launch.attention_kernel
     monkeypatch.setattr(launch, "attention_kernel", Launch())
-    monkeypatch.setattr(launch, "_CONFIG_OF", {})
+    monkeypatch.setattr(launch, "BENCH", bench)
     d = 64
     mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
 
@@ -417,14 +437,63 @@ def test_a_format_whose_kernel_spills_takes_the_next_configuration(rng, monkeypa
         layer.update(x[0], x[1])
         return layer.state()
 
-    spills, fits = state(2), state(3)
-    first, last = (c.num_warps for c in (geo.ATTENTION_CONFIGS[0], geo.ATTENTION_CONFIGS[-1]))
+    spills, fits_last, fits_both = state(2), state(4), state(3)
     with pytest.warns(RuntimeWarning, match=r"v_bits': 2.*spills 12 registers"):
         kernels.attention(spills, q, mask, scale=0.1, backend="triton")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the format's later launches are quiet
         kernels.attention(spills, q, mask, scale=0.1, backend="triton")
-        kernels.attention(fits, q, mask, scale=0.1, backend="triton")
-        kernels.attention(fits, q, mask, scale=0.1, backend="triton")
-    assert warmed == [(first, 2), (last, 2), (first, 3)]
-    assert launched == [last, last, first, first]
+        for layer in (fits_last, fits_last, fits_both, fits_both):
+            kernels.attention(layer, q, mask, scale=0.1, backend="triton")
+    f, la = first.num_warps, last.num_warps
+    assert warmed == [(f, 2), (la, 2), (f, 4), (la, 4), (f, 3), (la, 3)]
+    assert timed == [(f, 3), (la, 3)]  # only where two fit, once
+    assert launched == [(la, 2)] * 2 + [(la, 4)] * 2 + [(la, 3)] * 2
+
+
+def test_a_tuning_key_is_the_phase_and_the_power_of_two_of_the_span():
+    """Decode steps and prompts tune apart; a context tunes again each time it doubles."""
+    assert launch.tuning_key(1, 1000) == launch.tuning_key(1, 600) != launch.tuning_key(1, 1100)
+    assert launch.tuning_key(1, 1000) != launch.tuning_key(2, 1000)
+    assert launch.tuning_key(3, 0) == launch.tuning_key(5, 1)
+    spans = range(1, 131073)
+    assert len({launch.tuning_key(1, span) for span in spans}) == 18  # 2^0 .. 2^17
+
+
+def test_the_tuner_runs_in_the_interpreter_with_the_host_clock(rng, monkeypatch, fresh_tuning):
+    """With ``wall_clock_bench`` the interpreter times every configuration (the tuner's own
+    code runs on a CPU; its choice there says nothing about a GPU), keeps the faster measured
+    one, and the result is the reference's whichever it is. Without a bench the interpreter
+    times nothing and takes the first configuration."""
+    d = 64
+    mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
+    keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
+    layer = CompressedLayer(0, keys, values)
+    layer.active = True
+    x = torch.randn(2, 1, 1, 5, d, generator=rng)
+    layer.update(x[0], x[1])
+    state = layer.state()
+    kernel_state = numerics.on_kernel_codebook(state)
+    expected = reference.attention(kernel_state, q.double(), mask, scale=0.1, dtype=torch.float64)
+
+    got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
+    assert list(launch._CONFIG_OF.values()) == [geo.ATTENTION_CONFIGS[0]]
+    assert relative_error(got, expected) <= TOLERANCE
+
+    launch.reset_tuning()
+    measured = {}
+
+    def bench(run):
+        runs = []
+        original = launch.attention_kernel
+        ms = launch.wall_clock_bench(lambda: runs.append(1) or run(), repeats=2)
+        assert len(runs) == 3 and launch.attention_kernel is original
+        measured[len(measured)] = ms
+        return ms
+
+    monkeypatch.setattr(launch, "BENCH", bench)
+    got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
+    assert len(measured) == len(geo.ATTENTION_CONFIGS)
+    fastest = min(measured, key=measured.get)
+    assert list(launch._CONFIG_OF.values()) == [geo.ATTENTION_CONFIGS[fastest]]
+    assert relative_error(got, expected) <= TOLERANCE

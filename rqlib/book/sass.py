@@ -8,11 +8,11 @@ instructions come from the machine code (SASS) that ptxas produces for the atten
 1. :func:`compile_decode_path` compiles the specialization of ``attention_kernel`` that a
    decode step launches for one layer format (:func:`decode_layout`: keys and values as codes,
    no QJL; the formats are compile-time, so the branches of other formats are not in it; the
-   mask, window and positions stay run-time arguments, as in a launch), in the configuration
-   the launch settles on: the first of ``limits.ATTENTION_CONFIGS`` whose kernel does not
-   spill (``launch.attention_config``). It runs in a subprocess without ``TRITON_INTERPRET``, like
-   :func:`rqlib.book.ptx.compile_ptx`, and disassembles it with the source line of every
-   instruction (``nvdisasm -g``).
+   mask, window and positions stay run-time arguments, as in a launch), in the first of
+   ``limits.ATTENTION_CONFIGS`` whose kernel does not spill: the configuration a launch
+   prefers (on a GPU, ``launch.attention_config`` also times the others that fit). It runs
+   in a subprocess without ``TRITON_INTERPRET``, like :func:`rqlib.book.ptx.compile_ptx`, and
+   disassembles it with the source line of every instruction (``nvdisasm -g``).
 2. :func:`parse_sass` reads the instructions (address, opcode, branch target, source line).
 3. :func:`tile_counts` finds the main stream's loop (the first outermost loop: a backward
    branch) and counts the opcodes of one iteration, which handles ``BLOCK_S`` keys. A loop
@@ -328,7 +328,7 @@ def compile_decode_path(
 ) -> IssueCount:
     """Compile the decode path (:func:`decode_layout`) of ``attention_kernel`` for
     ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET``, in the first configuration whose
-    kernel does not spill (as a launch settles), and count one main-loop tile.
+    kernel does not spill (the one a launch prefers), and count one main-loop tile.
 
     Raises ``RuntimeError`` with the end of the compiler's stderr when the compile fails.
     """

@@ -94,8 +94,8 @@ def attention_layouts() -> list[tuple[dict, str]]:
     with and without codes; exact keys with coded values and the reverse; the rotors' padded
     widths (at head_dim 256, values 258 wide: two value blocks); and softcapped scores at head
     dims 128 and 256. Each is compiled in every configuration of
-    :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`; a launched format outside the list takes
-    the first configuration whose kernel does not spill, and warns when all do
+    :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`; a launched format, in the list or not, runs
+    in the faster measured of its configurations that do not spill, and warns when all do
     (``launch.attention_config``)."""
     fmt, formats = geo.StreamFormat, geo.attention_formats
     exact = fmt(exact=True)

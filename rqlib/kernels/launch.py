@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
+import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -22,8 +25,17 @@ from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
-#: layer format (compile-time arguments, exact dtype, device) -> its attention configuration
+#: How the attention tuner times a launch: ``BENCH(run) -> milliseconds``, ``run`` launching the
+#: kernel once. ``None``: ``triton.testing.do_bench`` for a compiled kernel (a GPU), and no
+#: timing for an interpreted one, which takes the first configuration (the interpreter's speed
+#: says nothing about a GPU's). :func:`wall_clock_bench` times the interpreter on the host's
+#: clock, so that the tuner itself runs on a CPU.
+BENCH: Callable[[Callable[[], object]], float] | None = None
+#: (layer format, tuning key) -> the attention configuration it launches in
 _CONFIG_OF: dict = {}
+#: (layer format, configuration) -> registers its compiled kernel spills (None: interpreted)
+_SPILLS: dict = {}
+_WARNED: set = set()  # layer formats warned about: every configuration spills
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -341,7 +353,9 @@ def attention(
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )
     layer_format = (tuple(compile_time.items()), block_v, exact_dtype, device)
-    config = attention_config(layer_format, grid, arguments, options)
+    config = attention_config(
+        layer_format, tuning_key(n_row_blocks, span), grid, arguments, options
+    )
     attention_kernel[grid](
         *arguments(config), **options, **config.constexprs(), num_warps=config.num_warps
     )
@@ -369,33 +383,99 @@ def attention(
     return out.reshape(batch, q_heads, length, head_dim)
 
 
-def attention_config(layer_format: tuple, grid, arguments, options) -> geo.AttentionConfig:
-    """The configuration a layer format's attention launches in: the first of
-    ``ATTENTION_CONFIGS`` whose compiled kernel does not spill registers to local memory,
-    chosen at the format's first launch and kept. Each candidate is compiled without being
-    launched (``warmup``: Triton caches the kernel, so the launch that follows does not compile
-    again), so no launch runs a spilling kernel while another configuration does not spill.
-    When every one spills (slower, not wrong), the last is taken and a warning names the
-    format, once. The formats of a layer are compile-time, so a model can launch a
-    specialization ``tests/test_kernels_aot.py`` did not compile; this is where its spill shows.
-    An interpreted kernel compiles nothing and takes the first configuration. ``arguments``
-    gives the launch's positional arguments in a configuration."""
-    if layer_format not in _CONFIG_OF:
-        for config in geo.ATTENTION_CONFIGS:
-            compiled = attention_kernel.warmup(
-                *arguments(config),
-                grid=grid,
-                **options,
-                **config.constexprs(),
-                num_warps=config.num_warps,
+def reset_tuning() -> None:
+    """Forget every tuned configuration and compiled kernel's spills (after a change to the
+    tiles or to ``limits.ATTENTION_CONFIGS``, as the tile sweep of ``rqlib.study.bench`` makes)."""
+    _CONFIG_OF.clear()
+    _SPILLS.clear()
+    _WARNED.clear()
+
+
+def tuning_key(row_blocks: int, span: int) -> tuple[bool, int]:
+    """The launches that share a tuned configuration: decode steps (one block of rows, the keys
+    cut into splits) apart from prompts, each per power of two of the keys they span, so that
+    a generation re-tunes a handful of times as its context grows, not at every step."""
+    return row_blocks == 1, max(1, span).bit_length()
+
+
+def attention_config(
+    layer_format: tuple, key: tuple, grid, arguments, options
+) -> geo.AttentionConfig:
+    """The configuration of ``limits.ATTENTION_CONFIGS`` a launch of ``layer_format`` runs in,
+    tuned once per :func:`tuning_key` ``key`` and kept.
+
+    Each configuration is compiled without being launched (``warmup``: Triton caches the
+    kernel, so later launches do not compile again) and one that spills registers to local
+    memory is dropped: no launch, timed or not, runs a spilling kernel while another
+    configuration does not spill. When more than one is left, each is timed on this launch's
+    own arguments (:data:`BENCH`; the kernel only writes its partial results, so running it
+    again changes nothing) and the fastest is kept. This is ``triton.autotune``'s job, done
+    here because the configurations differ in an argument (the dtype of the codebook the
+    scores read) and the key is a bucket of the context, which is not a kernel argument.
+
+    When every configuration spills (slower, not wrong), the last is taken and a warning
+    names the format, once. The formats of a layer are compile-time, so a model can launch a
+    specialization ``tests/test_kernels_aot.py`` did not compile; this is where its spill
+    shows. An interpreted kernel compiles nothing: without a :data:`BENCH` it takes the first
+    configuration. ``arguments`` gives the launch's positional arguments in a configuration."""
+    if (layer_format, key) in _CONFIG_OF:
+        return _CONFIG_OF[(layer_format, key)]
+
+    def run(config: geo.AttentionConfig, compile_only: bool = False):
+        kernel = attention_kernel.warmup if compile_only else attention_kernel[grid]
+        extra = {"grid": grid} if compile_only else {}
+        return kernel(
+            *arguments(config),
+            **extra,
+            **options,
+            **config.constexprs(),
+            num_warps=config.num_warps,
+        )
+
+    fits, spills = [], 0
+    for config in geo.ATTENTION_CONFIGS:
+        if (layer_format, config) not in _SPILLS:
+            compiled = run(config, compile_only=True)
+            _SPILLS[(layer_format, config)] = (
+                None if compiled is None else _spilled_registers(compiled)
             )
-            spills = _spilled_registers(compiled)
-            if not spills:
-                break
-        else:
-            _warn_spills(layer_format, config, spills)
-        _CONFIG_OF[layer_format] = config
-    return _CONFIG_OF[layer_format]
+        spills = _SPILLS[(layer_format, config)]
+        if not spills:
+            fits.append(config)
+        if spills is None and BENCH is None:  # interpreted, nothing to time: the first
+            break
+    if not fits:
+        if layer_format not in _WARNED:
+            _warn_spills(layer_format, geo.ATTENTION_CONFIGS[-1], spills)
+            _WARNED.add(layer_format)
+        fits = [geo.ATTENTION_CONFIGS[-1]]
+    chosen = fits[0]
+    if len(fits) > 1:
+        bench = BENCH or _gpu_bench
+        chosen = min(fits, key=lambda config: bench(lambda: run(config)))
+    _CONFIG_OF[(layer_format, key)] = chosen
+    return chosen
+
+
+def _gpu_bench(run: Callable[[], object]) -> float:
+    """Milliseconds of a launch on a GPU (``triton.testing.do_bench``: CUDA events, the L2
+    cache flushed between runs), in about 25 ms."""
+    import triton.testing
+
+    return triton.testing.do_bench(run, warmup=5, rep=20)
+
+
+def wall_clock_bench(run: Callable[[], object], repeats: int = 3) -> float:
+    """Median milliseconds of ``repeats`` runs by the host's clock, after one run that is not
+    timed: a :data:`BENCH` for the interpreter, whose launches finish before they return (on
+    a GPU a launch returns before its kernel ends, so this would time the launch only)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def _score_codebook(stream, device, config: geo.AttentionConfig) -> torch.Tensor:

@@ -82,9 +82,9 @@ class AttentionConfig:
 #: tensor cores issue the fewest instructions per key (rqlib.book.sass counts them: each warp
 #: repeats the bookkeeping of a tile, and the scores' multiply-adds leave the CUDA cores), but
 #: their registers fit only the lighter formats; eight warps with the scores on the CUDA cores
-#: fit every format of the covering set. A layer format takes the first configuration whose
-#: compiled kernel does not spill registers (``launch.attention_config``;
-#: tests/test_kernels_aot.py).
+#: fit every format of the covering set. A layer format on a GPU launches the faster measured
+#: of the configurations whose compiled kernel does not spill registers, the first of them
+#: where nothing is timed (``launch.attention_config``; tests/test_kernels_aot.py).
 ATTENTION_CONFIGS = (AttentionConfig(4, True), AttentionConfig(8, False))
 
 

@@ -41,8 +41,9 @@ save a few instructions per key but make the heaviest layouts spill.
 The kernel is shaped so that every layer format has a configuration that spills no register
 (``limits.ATTENTION_CONFIGS``: four warps with the scores on tensor cores where they fit, else
 eight with the scores on the CUDA cores; ``tests/test_kernels_aot.py`` compiles a covering set
-for sm_80 and sm_90; a layer format takes the first configuration whose compiled kernel does
-not spill, and warns when all do, see ``launch.attention_config``): a run-time branch inside
+for sm_80 and sm_90; a layer format launches the configurations that do not spill, the
+faster measured on the GPU, and warns when all spill, see ``launch.attention_config``): a
+run-time branch inside
 a loop keeps the registers of both sides live, so the mask and the window are selected
 arithmetically. Accumulators wider than 256 columns (a rotor's padded width at head_dim 256),
 or between 128 and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program

@@ -321,7 +321,7 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
             config = defaults[2][index]
             geo.ATTENTION_BLOCK_S, geo.ATTENTION_CONFIGS = block_s, (config,)
             geo.ATTENTION_CHUNKS = {b: chunk or defaults[1][b] for b in defaults[1]}
-            launch._CONFIG_OF.clear()
+            launch.reset_tuning()
             got = decode_step(small, q, scale)
             error = float((got - expected).abs().max() / expected.abs().max())
             ms = triton.testing.do_bench(lambda: decode_step(layer, q, scale), warmup=25, rep=100)
@@ -333,7 +333,7 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
             rows.append((block_s, chunk, config.num_warps, ms, error))
     finally:
         geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNKS, geo.ATTENTION_CONFIGS = defaults
-        launch._CONFIG_OF.clear()
+        launch.reset_tuning()
     return rows
 
 
