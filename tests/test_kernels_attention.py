@@ -450,6 +450,16 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
     assert timed == [(f, 3), (la, 3)]  # only where two fit, once
     assert launched == [(la, 2)] * 2 + [(la, 4)] * 2 + [(la, 3)] * 2
 
+    # inside a CUDA graph capture nothing is timed (it would synchronize) or kept
+    launch.reset_tuning()
+    warmed.clear(), launched.clear(), timed.clear()
+    monkeypatch.setattr(launch, "_capturing_graph", lambda: True)
+    kernels.attention(fits_both, q, mask, scale=0.1, backend="triton")
+    assert (timed, launched, launch._CONFIG_OF) == ([], [(f, 3)], {})
+    monkeypatch.setattr(launch, "_capturing_graph", lambda: False)
+    kernels.attention(fits_both, q, mask, scale=0.1, backend="triton")
+    assert (timed, launched) == ([(f, 3), (la, 3)], [(f, 3), (la, 3)])
+
 
 def test_a_tuning_key_is_the_phase_and_the_power_of_two_of_the_span():
     """Decode steps and prompts tune apart; a context tunes again each time it doubles."""

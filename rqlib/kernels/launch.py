@@ -417,7 +417,8 @@ def attention_config(
     names the format, once. The formats of a layer are compile-time, so a model can launch a
     specialization ``tests/test_kernels_aot.py`` did not compile; this is where its spill
     shows. An interpreted kernel compiles nothing: without a :data:`BENCH` it takes the first
-    configuration. ``arguments`` gives the launch's positional arguments in a configuration."""
+    configuration, and so does a launch while a CUDA graph is captured (:func:`_capturing_graph`).
+    ``arguments`` gives the launch's positional arguments in a configuration."""
     if (layer_format, key) in _CONFIG_OF:
         return _CONFIG_OF[(layer_format, key)]
 
@@ -449,12 +450,21 @@ def attention_config(
             _warn_spills(layer_format, geo.ATTENTION_CONFIGS[-1], spills)
             _WARNED.add(layer_format)
         fits = [geo.ATTENTION_CONFIGS[-1]]
+    if len(fits) > 1 and _capturing_graph():  # timing would break the capture: not kept
+        return fits[0]
     chosen = fits[0]
     if len(fits) > 1:
         bench = BENCH or _gpu_bench
         chosen = min(fits, key=lambda config: bench(lambda: run(config)))
     _CONFIG_OF[(layer_format, key)] = chosen
     return chosen
+
+
+def _capturing_graph() -> bool:
+    """Whether a CUDA graph is being captured on the current stream: a launch tuned there
+    runs in the first configuration that does not spill, and is tuned at its next launch outside
+    the capture (the timing synchronizes, which a capture refuses)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _gpu_bench(run: Callable[[], object]) -> float:
