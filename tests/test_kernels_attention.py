@@ -495,9 +495,8 @@ def test_the_tuner_runs_in_the_interpreter_with_the_host_clock(rng, monkeypatch,
 
     def bench(run):
         runs = []
-        original = launch.attention_kernel
         ms = launch.wall_clock_bench(lambda: runs.append(1) or run(), repeats=2)
-        assert len(runs) == 3 and launch.attention_kernel is original
+        assert len(runs) == 3  # one untimed, then the repeats
         measured[len(measured)] = ms
         return ms
 

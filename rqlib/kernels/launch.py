@@ -450,10 +450,10 @@ def attention_config(
             _warn_spills(layer_format, geo.ATTENTION_CONFIGS[-1], spills)
             _WARNED.add(layer_format)
         fits = [geo.ATTENTION_CONFIGS[-1]]
-    if len(fits) > 1 and _capturing_graph():  # timing would break the capture: not kept
-        return fits[0]
     chosen = fits[0]
     if len(fits) > 1:
+        if _capturing_graph():  # timing would break the capture: untuned, not kept
+            return chosen
         bench = BENCH or _gpu_bench
         chosen = min(fits, key=lambda config: bench(lambda: run(config)))
     _CONFIG_OF[(layer_format, key)] = chosen
