@@ -28,9 +28,10 @@ import triton
 import triton.language as tl
 
 from rqlib import kernels
+from rqlib.book.kernel_checks import gather_centroids
 from rqlib.core.packing import pack_bits, unpack_bits, unpack_signs
 from rqlib.core.quantizers import make_quantizer
-from rqlib.kernels import aot, launch, reference
+from rqlib.kernels import aot, launch, numerics, reference
 from rqlib.kernels import limits as geo
 from rqlib.kernels.triton_common import load_code_groups
 
@@ -347,3 +348,29 @@ def test_code_groups_unpack_what_the_bytes_hold(rng):
         out = torch.full((n_rows, dim), -1, dtype=torch.int32)
         unpack_code_groups[(1,)](packed, out, n_rows, dim, bits, packed.shape[1], 16, chunk)
         assert torch.equal(out, codes.int()), (bits, dim, chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_centroid_pairs_are_the_codebook_two_at_a_time(bits, dtype, rng):
+    """Through the table of centroid pairs (``numerics.kernel_table``) the kernel reads the
+    centroids of the codes that ``rqlib.core.packing`` packed, two a load for widths up to
+    ``PAIR_MAX_BITS`` with the codes read eight at a time, one a load otherwise, and zeros for
+    masked keys and columns past the row (a chunk that overhangs a 40-code row). Exact
+    equality: the table holds the codebook's values bit for bit, and a wrong half, index
+    order or mask changes some of the random codes' centroids."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    quantizer = make_quantizer("turboquant-mse", 40, bits, seed=seed)
+    table = numerics.kernel_table(quantizer, "cpu", dtype)
+    codebook = numerics.kernel_centroids(quantizer, "cpu", dtype)
+    n_rows, rows, dim, chunk, width = 11, 16, 40, 32, 64
+    codes = torch.randint(0, 2**bits, (n_rows, dim), generator=rng, dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    expected = torch.zeros(rows, width, dtype=dtype)
+    expected[:n_rows, :dim] = codebook[codes.long()]
+    groupable = bits <= 4 or bits == 8  # the widths triton_common.group_loads accepts
+    for groups in (True, False) if groupable else (False,):
+        out = gather_centroids(
+            packed, table, n_rows, dim, bits, rows=rows, width=width, chunk=chunk, groups=groups
+        )
+        assert torch.equal(out, expected), (bits, dtype, groups)

@@ -251,8 +251,8 @@ def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> Non
         layout = {k: v for k, v in constexprs.items() if k not in tiles}
         expected = aot.attention_specialization(layout, dtype, config)
         assert constexprs == expected.constexprs
-        for name in (*aot.ATTENTION_CODEBOOKS, *aot.ATTENTION_SCORE_CODEBOOKS):
-            assert aot.TRITON_DTYPES[arguments[name].dtype] == expected.pointers[name], name
+        for name in (*aot.ATTENTION_CODEBOOKS, *aot.ATTENTION_SCORE_TABLES):
+            assert aot.POINTER_DTYPES[arguments[name].dtype] == expected.pointers[name], name
         assert options == (expected.num_warps, expected.num_stages, expected.maxnreg)
         if listed:
             assert expected.label in specs, expected.label

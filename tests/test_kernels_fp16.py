@@ -68,6 +68,31 @@ def test_the_kernel_codebook_is_the_codebook_rounded_to_fp16(bits, rng):
     assert rounded.boundaries is quantizer.boundaries  # it stores the same codes
 
 
+@pytest.mark.parametrize("bits", [3, 4, 5])
+def test_a_table_of_centroid_pairs_holds_the_kernel_codebook(bits, rng):
+    """Entry ``i + n j`` of ``kernel_table`` holds centroids ``i`` (low half) and ``j`` (high
+    half) of the kernel's codebook, bit for bit, in fp16 and float32; past ``PAIR_MAX_BITS``
+    only the entries ``j = 0`` are made (the high halves zero)."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    quantizer = make_quantizer("turboquant-mse", 64, bits, seed=seed)
+    for dtype in (torch.float16, torch.float32):
+        codebook = numerics.kernel_centroids(quantizer, "cpu", dtype)
+        table = numerics.kernel_table(quantizer, "cpu", dtype)
+        assert table.dtype == numerics.PAIR_DTYPES[dtype]
+        n = codebook.numel()
+        pairs = n if bits <= numerics.PAIR_MAX_BITS else 1
+        assert table.numel() == n * pairs
+        entry = torch.arange(table.numel())
+        low, high = numerics.table_halves(table)
+        assert torch.equal(low, codebook[entry % n])
+        high_expected = codebook[entry // n] if pairs > 1 else torch.zeros_like(high)
+        assert torch.equal(high, high_expected)
+    with pytest.raises(ValueError, match="centroid pairs are of"):
+        numerics.kernel_table(quantizer, "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="tables of centroid pairs are of"):
+        numerics.table_halves(table.to(torch.int16))
+
+
 def test_scaled_rows_are_exact_powers_of_two_into_the_unit_interval(rng):
     rows = spread(rng, 5, 7, 64)
     rows[0, 0] = 0.0

@@ -11,7 +11,9 @@ implementation, for a prompt and for a decode step. Both return the maximum rela
 :func:`attention_check` compares with the reference read with the kernel's codebook (the
 codebook rounded to fp16, :mod:`rqlib.kernels.numerics`), and reports how far the kernel is from
 the float32 codebook's attention too. :func:`split_dot_check` measures the kernel's tensor-core
-products (``split_dot``) against float64, next to a single fp16 product. On a CPU every check
+products (``split_dot``) against float64, next to a single fp16 product, and
+:func:`centroid_pairs_check` the centroids the attention kernel reads through a table of
+centroid pairs (``triton_common.code_centroids``) against the codebook. On a CPU every check
 runs the kernels in the interpreter, which multiplies fp16 inputs exactly, as a tensor core
 does.
 :func:`byte_table` is the byte-count model of ``rqlib.study.bench`` for several key bit widths;
@@ -35,9 +37,10 @@ import triton.language as tl
 
 from rqlib import kernels
 from rqlib.book.checks import relative_error
+from rqlib.core.packing import pack_bits
 from rqlib.core.quantizers import make_quantizer
 from rqlib.kernels import numerics, reference
-from rqlib.kernels.triton_common import fp16_parts, split_dot
+from rqlib.kernels.triton_common import code_centroids, fp16_parts, split_dot
 from rqlib.study import bench
 
 __all__ = [
@@ -48,7 +51,9 @@ __all__ = [
     "benchmark",
     "byte_table",
     "attention_check",
+    "centroid_pairs_check",
     "fp16_products",
+    "gather_centroids",
     "scores_check",
     "split_dot_bound",
     "split_dot_check",
@@ -338,6 +343,83 @@ def split_dot_check(seed: int, device: str, m: int = 16, k: int = 64, n: int = 1
         result[f"{name}_over_bound"] = float((error / bound).max())
         result[f"{name}_error"] = float(error.max() / expected.abs().max())
     return result
+
+
+@triton.jit
+def _gather_centroids_kernel(
+    codes_ptr, table_ptr, out_ptr, n_rows, dim: tl.constexpr, bits: tl.constexpr,
+    row_bytes: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr,
+    GROUPS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.arange(0, ROWS)
+    key_mask = rows < n_rows
+    row_ptrs = codes_ptr + rows[:, None] * row_bytes
+    for c0 in range(0, WIDTH, CHUNK):
+        centroids = code_centroids(
+            row_ptrs, c0, key_mask, dim, bits, row_bytes, table_ptr, CHUNK, GROUPS, True
+        )
+        cols = c0 + tl.arange(0, CHUNK)
+        tl.store(out_ptr + rows[:, None] * WIDTH + cols[None, :], centroids)
+
+
+def gather_centroids(
+    packed: torch.Tensor,
+    table: torch.Tensor,
+    n_rows: int,
+    dim: int,
+    bits: int,
+    *,
+    rows: int,
+    width: int,
+    chunk: int,
+    groups: bool,
+) -> torch.Tensor:
+    """The centroids that ``triton_common.code_centroids`` reads for the packed rows ``packed``
+    (``n_rows`` rows of ``dim`` ``bits``-bit codes) through the table of centroid pairs
+    ``table`` (``numerics.kernel_table``), in one program: ``[rows, width]`` in the table's
+    centroid dtype, every row and column written, also those past ``n_rows`` and ``dim`` (the
+    kernel reads 0 there). Codes eight a load with ``groups``, ``chunk`` columns at a time."""
+    dtype = {v: k for k, v in numerics.PAIR_DTYPES.items()}[table.dtype]
+    out = torch.full((rows, width), float("nan"), dtype=dtype, device=packed.device)
+    _gather_centroids_kernel[(1,)](
+        packed, table, out, n_rows, dim, bits, packed.shape[1], rows, chunk, width, groups
+    )
+    return out
+
+
+def centroid_pairs_check(codes: torch.Tensor, bits: int, seed: int, device: str) -> dict:
+    """The attention kernel's read of one packed row of ``codes`` (``uint8``, a multiple of 16
+    of them) through the table of centroid pairs of a ``bits``-bit TurboQuant-MSE quantizer
+    (``seed``), two codes a load: ``"exact"``, whether it returns the kernel's fp16 codebook
+    at ``codes`` bit for bit, and ``"pairs"``, a table of each pair of adjacent codes, the
+    ``2 * bits``-bit field they form in the packed row, and the two halves of the table's
+    entry there next to the codebook's centroids of the two codes."""
+    if codes.dim() != 1 or codes.numel() % 16:
+        raise ValueError(f"codes must be one row of a multiple of 16 codes, got {codes.shape}")
+    quantizer = make_quantizer("turboquant-mse", codes.numel(), bits, seed=seed)
+    table = numerics.kernel_table(quantizer, device)
+    codebook = numerics.kernel_centroids(quantizer, "cpu")
+    packed = pack_bits(codes, bits)[None, :]
+    n = codes.numel()
+    read = gather_centroids(
+        packed.to(device), table, 1, n, bits, rows=16, width=n, chunk=16, groups=True
+    )
+    expected = codebook[codes.long()]
+    word = int.from_bytes(bytes(packed[0].tolist()), "little")
+    fields = [(word >> 2 * bits * i) & ((1 << 2 * bits) - 1) for i in range(n // 2)]
+    low, high = numerics.table_halves(table.cpu()[torch.tensor(fields)])
+    pairs = pd.DataFrame(
+        {
+            "codes": [f"{int(a)}, {int(b)}" for a, b in zip(codes[0::2], codes[1::2])],
+            "field": fields,
+            "low half": low.float().numpy(),
+            "c[first]": expected[0::2].float().numpy(),
+            "high half": high.float().numpy(),
+            "c[second]": expected[1::2].float().numpy(),
+        }
+    )
+    exact = torch.equal(read[0].cpu(), expected) and not read[1:].cpu().any()
+    return {"exact": bool(exact), "pairs": pairs}
 
 
 def benchmark(args: argparse.Namespace, device: str = "cuda") -> pd.DataFrame:

@@ -33,11 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from rqlib.kernels import limits as geo
-from rqlib.kernels.numerics import CODEBOOK_DTYPE
+from rqlib.kernels.numerics import CODEBOOK_DTYPE, PAIR_DTYPES
 
 ARCHS = (80, 90, 100)
 FLOAT_ARGS = {"qjl_scale", "scale", "softcap", "k_qjl_scale"}
 TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+#: the element types of the kernels' pointers: the float dtypes and the integers of the
+#: attention kernel's tables of centroid pairs
+POINTER_DTYPES = {**TRITON_DTYPES, torch.int32: "i32", torch.int64: "i64"}
 CODEBOOK = TRITON_DTYPES[CODEBOOK_DTYPE]
 
 
@@ -76,10 +79,11 @@ ATTENTION_BYTES = (
 ).split()
 #: exact vectors of the attention kernel, in the layer's dtype
 ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr sink_v_ptr".split()
-#: the attention kernel's codebooks: of the values, in rqlib.kernels.numerics.CODEBOOK_DTYPE; of
-#: the keys, in the configuration's AttentionConfig.score_codebook_dtype
+#: the attention kernel's codebooks of the values, in rqlib.kernels.numerics.CODEBOOK_DTYPE, and
+#: its tables of the keys' centroid pairs (rqlib.kernels.numerics.kernel_table), of centroids in
+#: the configuration's AttentionConfig.score_codebook_dtype
 ATTENTION_CODEBOOKS = "v_centroids_ptr bv_centroids_ptr".split()
-ATTENTION_SCORE_CODEBOOKS = "k_centroids_ptr bk_centroids_ptr".split()
+ATTENTION_SCORE_TABLES = "k_table_ptr bk_table_ptr".split()
 
 
 def attention_layouts() -> list[tuple[dict, str]]:
@@ -145,8 +149,8 @@ def attention_specialization(
     pointers = {name: "u8" for name in ATTENTION_BYTES}
     pointers.update({name: dtype for name in ATTENTION_EXACT})
     pointers.update({name: CODEBOOK for name in ATTENTION_CODEBOOKS})
-    scores = TRITON_DTYPES[config.score_codebook_dtype]
-    pointers.update({name: scores for name in ATTENTION_SCORE_CODEBOOKS})
+    scores = POINTER_DTYPES[PAIR_DTYPES[config.score_codebook_dtype]]
+    pointers.update({name: scores for name in ATTENTION_SCORE_TABLES})
     block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
     constexprs = {
         **layout,

@@ -132,8 +132,9 @@ def _ring_arguments(stream, device, exact_dtype):
     is compile-time: :func:`rqlib.kernels.limits.attention_formats`).
 
     Returns ``(pointers, sizes, strides)``: pointers (codes, norms, signs, residual norms,
-    exact, centroids), sizes (ring capacity, QJL sketch dimension and scale, norm-stream
-    bytes), strides (codes b/h/s, norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
+    exact, fp16 codebook; the keys' table of centroid pairs is :func:`_centroid_table`'s), sizes
+    (ring capacity, QJL sketch dimension and scale, norm-stream bytes), strides (codes b/h/s,
+    norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
     u8, exact_dummy = _dummy(device), _dummy(device, exact_dtype)
     no_codebook = _dummy(device, numerics.CODEBOOK_DTYPE)
     if stream is None:
@@ -321,10 +322,11 @@ def attention(
     grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
 
     def arguments(config: geo.AttentionConfig) -> tuple:
-        """The launch's arguments in ``config``, whose scores read the keys' codebooks in its
+        """The launch's arguments in ``config``, whose scores read the keys' centroids in its
         dtype."""
         k_table, bk_table = (
-            _score_codebook(stream, device, config) for stream in (keys, state.band_keys)
+            _centroid_table(stream, device, config.score_codebook_dtype)
+            for stream in (keys, state.band_keys)
         )
         return (
             rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
@@ -488,13 +490,13 @@ def wall_clock_bench(run: Callable[[], object], repeats: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def _score_codebook(stream, device, config: geo.AttentionConfig) -> torch.Tensor:
-    """The codebook the scores of ``config`` read for a stream of keys (``None`` or exact: a
-    one-element stand-in, never read), in ``config.score_codebook_dtype``."""
-    dtype = config.score_codebook_dtype
+def _centroid_table(stream, device, dtype: torch.dtype) -> torch.Tensor:
+    """The table of centroid pairs the kernel's scores read for a stream of keys, the centroids
+    in ``dtype`` (:func:`rqlib.kernels.numerics.kernel_table`); for ``None`` or an exact stream
+    a one-element stand-in of the table's type, never read."""
     if stream is None or stream.is_exact:
-        return _dummy(device, dtype)
-    return numerics.kernel_centroids(stream.parts[0].quantizer, device, dtype)
+        return _dummy(device, numerics.PAIR_DTYPES[dtype])
+    return numerics.kernel_table(stream.parts[0].quantizer, device, dtype)
 
 
 def _spilled_registers(compiled) -> int:

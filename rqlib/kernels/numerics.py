@@ -8,6 +8,10 @@ choices make that an exact statement about what it computes:
   centroid moves by at most ``2^-11`` of itself (:data:`CODEBOOK_ROUNDING`), a fixed change of
   the codebook, not a rounding of each product. The torch implementation reads the float32
   codebook.
+- **The attention kernel's scores read the keys' codebook from a table of centroid pairs**
+  (:func:`kernel_table`): for codes of up to :data:`PAIR_MAX_BITS` bits, entry ``i + 2^b j``
+  holds centroids ``i`` and ``j``, so the ``2b`` bits of two adjacent codes in a packed row
+  index both at once. The same values as the codebook, in half the loads.
 - **The other factor is split in two fp16 parts** (``triton_common.split_dot``): the rotated
   query rows and the weights ``p ||v||``. ``x = hi + lo + r`` with
   ``|r| <= 2^-22 |x| + 2^-25``: float32 accuracy, in two products.
@@ -28,16 +32,21 @@ import copy
 import dataclasses
 import weakref
 
+import numpy as np
 import torch
 
 __all__ = [
     "CODEBOOK_DTYPE",
     "CODEBOOK_ROUNDING",
     "PART_REMAINDER",
+    "PAIR_DTYPES",
+    "PAIR_MAX_BITS",
     "kernel_centroids",
     "kernel_quantizer",
+    "kernel_table",
     "on_kernel_codebook",
     "scaled_rows",
+    "table_halves",
 ]
 
 #: the dtype of the attention kernel's codebook (and of its tensor-core inputs)
@@ -49,6 +58,12 @@ CODEBOOK_ROUNDING = 2.0**-11
 #: a float32 ``x`` in fp16's range (``absolute``: half the spacing of fp16's subnormals)
 PART_REMAINDER = (2.0**-22, 2.0**-25)
 
+
+#: the widest codes whose centroids the kernel reads two at a time: a table of ``4^b`` pairs
+#: (1 KB of fp16 pairs at 4 bits; 5 bits would take 4 KB of the L1 cache, 8 bits 256 KB)
+PAIR_MAX_BITS = 4
+#: the integer that holds a pair of centroids of each dtype
+PAIR_DTYPES = {torch.float16: torch.int32, torch.float32: torch.int64}
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # quantizer -> its tables
 
@@ -68,6 +83,46 @@ def kernel_centroids(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> 
             table = centroids.to(device=device, dtype=CODEBOOK_DTYPE).to(dtype).contiguous()
         tables[key] = table
     return tables[key]
+
+
+def kernel_table(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> torch.Tensor:
+    """The attention kernel's table of centroid pairs for ``quantizer``: the centroids of
+    :func:`kernel_centroids` held in ``dtype`` (fp16 or float32), two to an entry of
+    :data:`PAIR_DTYPES` ``[dtype]``, entry ``i + n j`` holding centroid ``i`` in its low half
+    and ``j`` in its high half (``n`` centroids). Two adjacent ``b``-bit codes of a packed row,
+    read as one ``2b``-bit field, are the index of their pair (``triton_common.
+    load_centroid_pairs``), and entry ``c`` alone holds centroid ``c`` in its low half. For
+    ``b > PAIR_MAX_BITS`` only the entries ``j = 0`` are made. Made once per quantizer, device
+    and dtype."""
+    if dtype not in PAIR_DTYPES:
+        raise ValueError(f"centroid pairs are of {list(PAIR_DTYPES)}, not {dtype}")
+    tables = _TABLES.setdefault(quantizer, {})
+    key = ("pairs", torch.device(device), dtype)
+    if key not in tables:
+        pattern = {torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+        width = torch.finfo(dtype).bits
+        values = kernel_centroids(quantizer, "cpu", dtype).view(pattern).numpy()
+        unsigned = values.astype(np.int64) & ((1 << width) - 1)  # each centroid's bits
+        n = len(unsigned)
+        high = unsigned if n <= 1 << PAIR_MAX_BITS else unsigned[:1] * 0
+        entries = unsigned[None, :].astype(np.uint64) | (high[:, None].astype(np.uint64) << width)
+        signed = entries.reshape(-1).astype(f"uint{2 * width}").view(f"int{2 * width}")
+        tables[key] = torch.from_numpy(signed.copy()).to(device)
+    return tables[key]
+
+
+def table_halves(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(low, high)``: the two centroids that entries of a table of centroid pairs
+    (:func:`kernel_table`) hold, fp16 from int32 entries and float32 from int64 ones, as the
+    kernel splits them (``triton_common.pair_halves``)."""
+    dtype = {v: k for k, v in PAIR_DTYPES.items()}.get(entries.dtype)
+    if dtype is None:
+        raise ValueError(
+            f"tables of centroid pairs are of {list(PAIR_DTYPES.values())}, not {entries.dtype}"
+        )
+    halves = {torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    width = torch.finfo(dtype).bits
+    return entries.to(halves).view(dtype), (entries >> width).to(halves).view(dtype)
 
 
 def kernel_quantizer(quantizer):

@@ -74,11 +74,10 @@ import triton
 import triton.language as tl
 
 from rqlib.kernels.triton_common import (
+    code_centroids,
     code_scores,
     exact_scores,
     group_loads,
-    load_code_groups,
-    load_codes,
     sign_scores,
     split_dot,
 )
@@ -106,15 +105,15 @@ def code_values(
     centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
-    ``[BLOCK_S, BLOCK_V]``, in the dtype of the codebook ``centroids_ptr``."""
-    cols = col0 + tl.arange(0, BLOCK_V)
-    v_mask = key_mask[:, None] & (cols < width)[None, :]
+    ``[BLOCK_S, BLOCK_V]``, in the dtype of the codebook ``centroids_ptr``, a load a code.
+    (Read two a load from a table of pairs, as the keys' scores read theirs, the values issue
+    fewer instructions but the presets' format spills registers at sm_80 in the first
+    configuration: ``rqlib.book.sass`` counts the one, tests/test_kernels_aot.py the other.)"""
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
-    if group_loads(bits, width, BLOCK_V):
-        codes = load_code_groups(rows_ptr, col0, key_mask, bits, code_bytes, BLOCK_V)
-    else:
-        codes = load_codes(rows_ptr, cols, v_mask, bits, code_bytes)
-    return tl.load(centroids_ptr + codes, mask=v_mask, other=0.0)
+    return code_centroids(
+        rows_ptr, col0, key_mask, width, bits, code_bytes, centroids_ptr, BLOCK_V,
+        group_loads(bits, width, BLOCK_V), False,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -229,13 +228,15 @@ def attention_kernel(
     q_raw_ptr, q_main_ptr, q_main_scale_ptr, q_sketch_ptr, q_band_ptr, q_band_scale_ptr,
     mean_ptr, band_mean_ptr,
     # main keys: codes, norm stream, QJL signs and residual-norm stream, or exact vectors; the
-    # codebooks (*_centroids_ptr) are fp16 (rqlib.kernels.numerics)
-    k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr, k_exact_ptr, k_centroids_ptr,
-    # main values: codes and norm stream, or exact vectors
+    # keys' codebooks are tables of centroid pairs (*_table_ptr: rqlib.kernels.numerics.
+    # kernel_table) of fp16 centroids, or float32 for the scores on the CUDA cores
+    k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr, k_exact_ptr, k_table_ptr,
+    # main values: codes and norm stream, or exact vectors; the values' codebooks
+    # (*_centroids_ptr) are fp16 (rqlib.kernels.numerics.kernel_centroids)
     v_codes_ptr, v_norms_ptr, v_exact_ptr, v_centroids_ptr,
     # recent band: keys (codes and norm stream, or exact), values (codes, or exact vectors:
     # the band's own or, for a layer whose values are exact, the main ones)
-    bk_codes_ptr, bk_norms_ptr, bk_exact_ptr, bk_centroids_ptr,
+    bk_codes_ptr, bk_norms_ptr, bk_exact_ptr, bk_table_ptr,
     bv_codes_ptr, bv_norms_ptr, bv_exact_ptr, bv_centroids_ptr,
     # exact sink keys [B, KV, n_sink_slots, d] and their values (the sink's or the main ones)
     sink_k_ptr, sink_v_ptr,
@@ -336,8 +337,8 @@ def attention_kernel(
             norms = load_norms(k_norms, slots, k_width, in_range, k_norm_bytes)
             scores = code_scores(
                 q_main_ptr, q_rows, row_mask, k_dim, k_codes, slots, stride_kcs, in_range,
-                k_bits, k_code_bytes, k_centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
-                group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES,
+                k_bits, k_code_bytes, k_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
+                group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES, True,
             ) * (q_main_scale[:, None] * norms[None, :])  # fmt: skip
             if k_qjl > 0:
                 rnorms = load_norms(k_rnorms, slots, k_width, in_range, k_norm_bytes)
@@ -396,8 +397,8 @@ def attention_kernel(
             norms = load_norms(bk_norms, slots, bk_width, in_range, bk_norm_bytes)
             scores = code_scores(
                 q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, in_range,
-                bk_bits, bk_code_bytes, bk_centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
-                group_loads(bk_bits, bk_dim, CHUNK), SCORE_TENSOR_CORES,
+                bk_bits, bk_code_bytes, bk_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
+                group_loads(bk_bits, bk_dim, CHUNK), SCORE_TENSOR_CORES, True,
             ) * (q_band_scale[:, None] * norms[None, :]) + band_mean[:, None]  # fmt: skip
         else:
             scores = exact_scores(

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rqlib.kernels.numerics import PAIR_MAX_BITS
+
 
 @triton.jit
 def load_codes(row_ptrs, cols, col_mask, bits, row_bytes):
@@ -34,6 +36,8 @@ def load_codes(row_ptrs, cols, col_mask, bits, row_bytes):
     return ((lo | (hi << 8)) >> shift[None, :]) & ((1 << bits) - 1)
 
 
+#: the widest codes read two at a time (:func:`load_centroid_pairs`)
+PAIR_BITS = tl.constexpr(PAIR_MAX_BITS)
 #: the unsigned integer of ``bits`` bytes: eight codes of a width that divides 8
 UNIT_TYPES = tl.constexpr((None, tl.uint8, tl.uint16, None, tl.uint32, None, None, None, tl.uint64))
 
@@ -50,15 +54,14 @@ def group_loads(bits, dim, chunk):
 
 
 @triton.jit
-def load_code_groups(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl.constexpr,
-                     CHUNK: tl.constexpr):  # fmt: skip
-    """Codes ``col0 .. col0 + CHUNK - 1`` of the packed rows ``row_ptrs`` ([ROWS, 1]) read
-    eight at a time: eight codes fill ``bits`` bytes, one aligned load of them when ``bits``
-    divides 8, else ``bits`` byte loads joined into a word. Code ``i`` of a group is then
-    ``(word >> i * bits) & (2^bits - 1)``, where :func:`load_codes` loads a byte per code and
-    a second where one straddles. For the layouts :func:`group_loads` accepts (``col0`` a
-    multiple of 8; rows of whole groups keep every group aligned to its size). Returns int32
-    [ROWS, CHUNK]; codes past the row are 0."""
+def load_code_words(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl.constexpr,
+                    CHUNK: tl.constexpr):  # fmt: skip
+    """The words of eight codes that hold codes ``col0 .. col0 + CHUNK - 1`` of the packed rows
+    ``row_ptrs`` ([ROWS, 1]), ``[ROWS, CHUNK // 8]``, unsigned (32 bits for ``bits <= 4``, else
+    64): eight codes fill ``bits`` bytes, one aligned load of them when ``bits`` divides 8,
+    else ``bits`` byte loads joined into a word. Code ``i`` of a group lies at bits ``i * bits
+    ..`` of its word. For the layouts :func:`group_loads` accepts (``col0`` a multiple of 8;
+    rows of whole groups keep every group aligned to its size); words past the row are 0."""
     GROUPS: tl.constexpr = CHUNK // 8
     WORD: tl.constexpr = tl.uint32 if bits <= 4 else tl.uint64
     group = col0 // 8 + tl.arange(0, GROUPS)
@@ -78,9 +81,68 @@ def load_code_groups(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl
             other=0,
         ).to(WORD)
         words = tl.sum(parts << (lane * 8).to(WORD)[None, None, :], axis=2)
-    shifts = (tl.arange(0, 8) * bits).to(WORD)
+    return words
+
+
+@triton.jit
+def load_code_groups(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl.constexpr,
+                     CHUNK: tl.constexpr):  # fmt: skip
+    """Codes ``col0 .. col0 + CHUNK - 1`` of the packed rows ``row_ptrs`` ([ROWS, 1]) read
+    eight at a time (:func:`load_code_words`): code ``i`` of a group is
+    ``(word >> i * bits) & (2^bits - 1)``, where :func:`load_codes` loads a byte per code and
+    a second where one straddles. Returns int32 [ROWS, CHUNK]; codes past the row are 0."""
+    words = load_code_words(row_ptrs, col0, key_mask, bits, row_bytes, CHUNK)
+    shifts = (tl.arange(0, 8) * bits).to(words.dtype)
     codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
     return tl.reshape(codes, (key_mask.shape[0], CHUNK)).to(tl.int32)
+
+
+@triton.jit
+def pair_halves(entries):
+    """``(low, high)``: the two centroids of entries of a table of centroid pairs
+    (:func:`rqlib.kernels.numerics.kernel_table`), fp16 from int32 entries, float32 from int64
+    ones."""
+    if entries.dtype == tl.int64:
+        low = entries.to(tl.int32).to(tl.float32, bitcast=True)
+        high = (entries >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        low = entries.to(tl.int16).to(tl.float16, bitcast=True)
+        high = (entries >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def load_centroids(table_ptr, codes, mask):
+    """The centroids ``c[codes]`` from a table of centroid pairs: entry ``c`` holds centroid
+    ``c`` in its low half, the half at the lower address (GPUs and the host are
+    little-endian), read alone as a centroid: a load as narrow as from a codebook. Masked-out
+    entries are 0."""
+    if table_ptr.dtype.element_ty == tl.int64:
+        halves = table_ptr.to(tl.pointer_type(tl.float32))
+    else:
+        halves = table_ptr.to(tl.pointer_type(tl.float16))
+    return tl.load(halves + 2 * codes, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_centroid_pairs(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl.constexpr,
+                        table_ptr, CHUNK: tl.constexpr):  # fmt: skip
+    """The centroids of codes ``col0 .. col0 + CHUNK - 1`` of the packed rows ``row_ptrs``
+    ([ROWS, 1]), two a load: the ``2 * bits`` bits of codes ``2i`` and ``2i + 1`` are
+    ``c_2i + 2^bits c_2i+1``, the index of their pair in the table ``table_ptr``
+    (:func:`rqlib.kernels.numerics.kernel_table`, ``4^bits`` entries). Half the loads, address
+    computations and unpacking of :func:`load_code_groups` followed by a load per code. For
+    ``bits <= PAIR_BITS`` and the layouts :func:`group_loads` accepts. Returns [ROWS, CHUNK]
+    in the table's centroid dtype; centroids past the row are 0."""
+    HALF: tl.constexpr = CHUNK // 2
+    words = load_code_words(row_ptrs, col0, key_mask, bits, row_bytes, CHUNK)
+    shifts = (tl.arange(0, 4) * 2 * bits).to(words.dtype)
+    index = (words[:, :, None] >> shifts[None, None, :]) & ((1 << 2 * bits) - 1)
+    index = tl.reshape(index, (key_mask.shape[0], HALF)).to(tl.int32)
+    pair_cols = col0 // 2 + tl.arange(0, HALF)
+    in_row = key_mask[:, None] & (pair_cols < row_bytes * 4 // bits)[None, :]
+    low, high = pair_halves(tl.load(table_ptr + index, mask=in_row, other=0))
+    return tl.reshape(tl.join(low, high), (key_mask.shape[0], CHUNK))
 
 
 @triton.jit
@@ -159,14 +221,56 @@ def split_dot(x, y, acc):
 
 
 @triton.jit
+def code_centroids(
+    rows_ptr, col0, key_mask, dim, bits, code_bytes, table_ptr, CHUNK: tl.constexpr,
+    GROUPS: tl.constexpr, PAIRS: tl.constexpr,
+):  # fmt: skip
+    """The centroids of codes ``col0 .. col0 + CHUNK - 1`` of the packed rows ``rows_ptr``
+    ([ROWS, 1]) of ``dim`` codes, [ROWS, CHUNK] (0 past the row and for masked keys). With
+    ``PAIRS`` ``table_ptr`` is a table of centroid pairs
+    (:func:`rqlib.kernels.numerics.kernel_table`), read two centroids a load where ``GROUPS``
+    (the codes read eight at a time: compile-time ``bits`` and ``dim`` that
+    :func:`group_loads` accepts) and ``bits <= PAIR_BITS``; without, a codebook."""
+    cols = col0 + tl.arange(0, CHUNK)
+    mask = key_mask[:, None] & (cols < dim)[None, :]
+    if PAIRS:
+        if GROUPS and bits <= PAIR_BITS:
+            centroids = load_centroid_pairs(
+                rows_ptr, col0, key_mask, bits, code_bytes, table_ptr, CHUNK
+            )
+        else:
+            codes = unpacked_codes(rows_ptr, col0, key_mask, mask, bits, code_bytes, CHUNK, GROUPS)
+            centroids = load_centroids(table_ptr, codes, mask)
+    else:
+        codes = unpacked_codes(rows_ptr, col0, key_mask, mask, bits, code_bytes, CHUNK, GROUPS)
+        centroids = tl.load(table_ptr + codes, mask=mask, other=0.0)
+    return centroids
+
+
+@triton.jit
+def unpacked_codes(
+    rows_ptr, col0, key_mask, mask, bits, code_bytes, CHUNK: tl.constexpr, GROUPS: tl.constexpr
+):  # fmt: skip
+    """Codes ``col0 .. col0 + CHUNK - 1`` of the packed rows ``rows_ptr``, int32 [ROWS, CHUNK]:
+    eight a load with ``GROUPS`` (:func:`load_code_groups`), else one (:func:`load_codes`, the
+    entries outside ``mask`` 0)."""
+    if GROUPS:
+        codes = load_code_groups(rows_ptr, col0, key_mask, bits, code_bytes, CHUNK)
+    else:
+        codes = load_codes(rows_ptr, col0 + tl.arange(0, CHUNK), mask, bits, code_bytes)
+    return codes
+
+
+@triton.jit
 def code_scores(
     q_ptr, q_rows, row_mask, dim, codes_ptr, slots, stride_s, key_mask, bits, code_bytes,
     centroids_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    GROUPS: tl.constexpr = False, TENSOR_CORES: tl.constexpr = False,
+    GROUPS: tl.constexpr = False, TENSOR_CORES: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """``<q_row, c[codes_key]>`` for rows x keys, CHUNK coordinates at a time (codes read
     eight at a time with ``GROUPS``: compile-time ``bits`` and ``dim`` that
-    :func:`group_loads` accepts). The codebook ``centroids_ptr`` is float32 or fp16. IEEE fp32
+    :func:`group_loads` accepts). ``centroids_ptr`` is a codebook, float32 or fp16, or with
+    ``PAIRS`` a table of centroid pairs of either (:func:`code_centroids`). IEEE fp32
     on the CUDA cores, or with ``TENSOR_CORES`` :func:`split_dot` on fp16 tensor cores, for an
     fp16 codebook and query rows within fp16's range
     (:func:`rqlib.kernels.numerics.scaled_rows`): the same sums to float32 accuracy."""
@@ -177,12 +281,9 @@ def code_scores(
         c = c0 + cols
         c_mask = c < dim
         q_tile = query_chunk(q_ptr, q_rows, row_mask, dim, c, c_mask)
-        k_mask = key_mask[:, None] & c_mask[None, :]
-        if GROUPS:
-            codes = load_code_groups(rows_ptr, c0, key_mask, bits, code_bytes, CHUNK)
-        else:
-            codes = load_codes(rows_ptr, c, k_mask, bits, code_bytes)
-        k_tile = tl.load(centroids_ptr + codes, mask=k_mask, other=0.0)
+        k_tile = code_centroids(
+            rows_ptr, c0, key_mask, dim, bits, code_bytes, centroids_ptr, CHUNK, GROUPS, PAIRS
+        )
         if TENSOR_CORES:
             acc = split_dot(q_tile, tl.trans(k_tile), acc)
         else:
