@@ -28,12 +28,13 @@ REQUIRED_ARCHS = {"sm_80", "sm_90"}
 #: without branches, cuts accumulators at 256 columns (128 when a block of 256 would mask
 #: columns), is not software-pipelined and may take 255 registers a thread (see
 #: rqlib.kernels.triton_attention); each format is compiled in every configuration of
-#: limits.ATTENTION_CONFIGS and a launch runs only those that do not spill (the faster measured:
+#: limits.ATTENTION_CONFIGS and a launch runs only those that do not spill (the fastest measured:
 #: launch.attention_config), so a format fails this test when it spills in all of them. The other
 #: kernels have one configuration: a spill in any of their specializations fails it.
 SPILLING: set[str] = set()
-#: head dims at which the presets' format must fit the first attention configuration
-FIRST_CONFIGURATION_HEAD_DIMS = (64, 128)
+#: head dims at which the presets' format must fit four warps with the scores on tensor cores
+#: (at sm_90 with the values' centroids read in pairs: the first configuration)
+TENSOR_CORE_HEAD_DIMS = (64, 128)
 
 
 def layout_key(layout: dict, dtype: str) -> str:
@@ -102,10 +103,12 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     never = [key for key, index in settled.items() if index is None]
     assert not never, f"attention layouts that spill in every configuration: {never}"
     for d, dtype, arch in itertools.product(
-        FIRST_CONFIGURATION_HEAD_DIMS, aot.TRITON_DTYPES.values(), REQUIRED_ARCHS
+        TENSOR_CORE_HEAD_DIMS, aot.TRITON_DTYPES.values(), REQUIRED_ARCHS
     ):
         layout = layout_key(decode_layout(d, 3, 2, 11), dtype)
-        assert settled[(layout, arch)] == 0, (layout, arch)
+        config = geo.ATTENTION_CONFIGS[settled[(layout, arch)]]
+        assert config.score_tensor_cores and config.num_warps == 4, (layout, arch)
+        assert arch != "sm_90" or settled[(layout, arch)] == 0, (layout, arch)
 
 
 @pytest.mark.parametrize(

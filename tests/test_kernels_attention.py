@@ -367,6 +367,23 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)
 
 
+@pytest.mark.parametrize("index", range(len(geo.ATTENTION_CONFIGS)))
+def test_every_configuration_matches_the_torch_implementation(
+    index, rng, recorded, monkeypatch, fresh_tuning
+):
+    """Interpreted, a launch takes the first configuration (nothing to time), which the test
+    above checks; a GPU may launch any of ``limits.ATTENTION_CONFIGS``, so each is forced here
+    in turn, on the presets' format (2-bit values, read in pairs where the configuration says
+    so) and one of 4-bit keys and 3-bit values."""
+    monkeypatch.setattr(geo, "ATTENTION_CONFIGS", (geo.ATTENTION_CONFIGS[index],))
+    wider = next(
+        case for case in CASES if case.values == ("turboquant-mse", 3, {"rotation": "hadamard"})
+    )
+    for case in (CASES[0], wider):
+        test_triton_attention_matches_the_torch_implementation(case, rng, recorded)
+    assert list(launch._CONFIG_OF.values())[-1] == geo.ATTENTION_CONFIGS[0]
+
+
 @pytest.fixture
 def fresh_tuning(monkeypatch):
     """No configuration tuned, no spill known, no warning given yet."""
@@ -384,7 +401,7 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
     spills, the interpreter nothing); a configuration that spills is never launched, not even
     to be timed. Of those left, each is timed (``launch.BENCH``) and the fastest is kept for
     the format's later launches of the same tuning key. When all spill, the last is launched
-    and a warning names the format, once. The stand-in bench says the last configuration is
+    and a warning names the format, once. The stand-in bench says the later a configuration
     the faster, the opposite of the order of preference, so a tuner that kept the first that
     fits (or never timed) fails; one that timed a spilling kernel fails on ``timed``."""
 
@@ -401,19 +418,29 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
             self.n_spills = self.spills
             return None
 
-    first, last = geo.ATTENTION_CONFIGS[0], geo.ATTENTION_CONFIGS[-1]
+    configs = geo.ATTENTION_CONFIGS
+    last = len(configs) - 1
     warmed, launched, timed = [], [], []
+
+    def which(kwargs) -> int:
+        """The index of the configuration a launch's keywords name."""
+        config = geo.AttentionConfig(
+            kwargs["num_warps"], bool(kwargs["SCORE_TENSOR_CORES"]), bool(kwargs["VALUE_PAIRS"])
+        )
+        return configs.index(config)
 
     class Launch:
         def warmup(self, *args, grid, **kwargs):
-            warmed.append((kwargs["num_warps"], kwargs["v_bits"]))
-            v_bits, warps = kwargs["v_bits"], kwargs["num_warps"]
-            spills = v_bits == 2 or (v_bits == 4 and warps == first.num_warps)
+            index, v_bits = which(kwargs), kwargs["v_bits"]
+            warmed.append((index, v_bits))
+            # 2-bit values spill everywhere, 4-bit ones but in the last configuration,
+            # 1-bit ones in the first only, 3-bit ones nowhere
+            spills = v_bits == 2 or (v_bits == 4 and index < last) or (v_bits == 1 and index == 0)
             return Compiled(12 if spills else 0)
 
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                launched.append((kwargs["num_warps"], kwargs["v_bits"]))
+                launched.append((which(kwargs), kwargs["v_bits"]))
                 return original[grid](*args, **kwargs)
 
             return run
@@ -421,7 +448,7 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
     def bench(run):
         run()
         timed.append(launched.pop())
-        return {first.num_warps: 2.0, last.num_warps: 1.0}[timed[-1][0]]
+        return 1.0 + last - timed[-1][0]  # the later, the faster
 
     original = launch.attention_kernel
     monkeypatch.setattr(launch, "attention_kernel", Launch())
@@ -437,28 +464,29 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
         layer.update(x[0], x[1])
         return layer.state()
 
-    spills, fits_last, fits_both = state(2), state(4), state(3)
+    spills, fits_last, fits_all, fits_later = state(2), state(4), state(3), state(1)
     with pytest.warns(RuntimeWarning, match=r"v_bits': 2.*spills 12 registers"):
         kernels.attention(spills, q, mask, scale=0.1, backend="triton")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the format's later launches are quiet
         kernels.attention(spills, q, mask, scale=0.1, backend="triton")
-        for layer in (fits_last, fits_last, fits_both, fits_both):
+        for layer in (fits_last, fits_last, fits_all, fits_all, fits_later, fits_later):
             kernels.attention(layer, q, mask, scale=0.1, backend="triton")
-    f, la = first.num_warps, last.num_warps
-    assert warmed == [(f, 2), (la, 2), (f, 4), (la, 4), (f, 3), (la, 3)]
-    assert timed == [(f, 3), (la, 3)]  # only where two fit, once
-    assert launched == [(la, 2)] * 2 + [(la, 4)] * 2 + [(la, 3)] * 2
+    every = range(len(configs))
+    assert warmed == [(i, bits) for bits in (2, 4, 3, 1) for i in every]
+    # only where more than one fits, once, and never a spilling one
+    assert timed == [(i, 3) for i in every] + [(i, 1) for i in every if i > 0]
+    assert launched == [(last, bits) for bits in (2, 4, 3, 1) for _ in range(2)]
 
     # inside a CUDA graph capture nothing is timed (it would synchronize) or kept
     launch.reset_tuning()
     warmed.clear(), launched.clear(), timed.clear()
     monkeypatch.setattr(launch, "_capturing_graph", lambda: True)
-    kernels.attention(fits_both, q, mask, scale=0.1, backend="triton")
-    assert (timed, launched, launch._CONFIG_OF) == ([], [(f, 3)], {})
+    kernels.attention(fits_all, q, mask, scale=0.1, backend="triton")
+    assert (timed, launched, launch._CONFIG_OF) == ([], [(0, 3)], {})
     monkeypatch.setattr(launch, "_capturing_graph", lambda: False)
-    kernels.attention(fits_both, q, mask, scale=0.1, backend="triton")
-    assert (timed, launched) == ([(f, 3), (la, 3)], [(f, 3), (la, 3)])
+    kernels.attention(fits_all, q, mask, scale=0.1, backend="triton")
+    assert timed == [(i, 3) for i in every] and launched == [(0, 3), (last, 3)]
 
 
 def test_a_tuning_key_is_the_phase_and_the_power_of_two_of_the_span():
@@ -472,7 +500,7 @@ def test_a_tuning_key_is_the_phase_and_the_power_of_two_of_the_span():
 
 def test_the_tuner_runs_in_the_interpreter_with_the_host_clock(rng, monkeypatch, fresh_tuning):
     """With ``wall_clock_bench`` the interpreter times every configuration (the tuner's own
-    code runs on a CPU; its choice there says nothing about a GPU), keeps the faster measured
+    code runs on a CPU; its choice there says nothing about a GPU), keeps the fastest measured
     one, and the result is the reference's whichever it is. Without a bench the interpreter
     times nothing and takes the first configuration."""
     d = 64

@@ -79,9 +79,10 @@ ATTENTION_BYTES = (
 ).split()
 #: exact vectors of the attention kernel, in the layer's dtype
 ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr sink_v_ptr".split()
-#: the attention kernel's codebooks of the values, in rqlib.kernels.numerics.CODEBOOK_DTYPE, and
-#: its tables of the keys' centroid pairs (rqlib.kernels.numerics.kernel_table), of centroids in
-#: the configuration's AttentionConfig.score_codebook_dtype
+#: the attention kernel's centroids of the values, in rqlib.kernels.numerics.CODEBOOK_DTYPE (a
+#: codebook, or a table of centroid pairs where the configuration's AttentionConfig.value_pairs),
+#: and its tables of the keys' centroid pairs (rqlib.kernels.numerics.kernel_table), of
+#: centroids in the configuration's AttentionConfig.score_codebook_dtype
 ATTENTION_CODEBOOKS = "v_centroids_ptr bv_centroids_ptr".split()
 ATTENTION_SCORE_TABLES = "k_table_ptr bk_table_ptr".split()
 
@@ -99,7 +100,7 @@ def attention_layouts() -> list[tuple[dict, str]]:
     widths (at head_dim 256, values 258 wide: two value blocks); and softcapped scores at head
     dims 128 and 256. Each is compiled in every configuration of
     :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`; a launched format, in the list or not, runs
-    in the faster measured of its configurations that do not spill, and warns when all do
+    in the fastest measured of its configurations that do not spill, and warns when all do
     (``launch.attention_config``)."""
     fmt, formats = geo.StreamFormat, geo.attention_formats
     exact = fmt(exact=True)
@@ -148,7 +149,8 @@ def attention_specialization(
     tiles and compile options that ``launch.attention`` picks for it."""
     pointers = {name: "u8" for name in ATTENTION_BYTES}
     pointers.update({name: dtype for name in ATTENTION_EXACT})
-    pointers.update({name: CODEBOOK for name in ATTENTION_CODEBOOKS})
+    values = POINTER_DTYPES[PAIR_DTYPES[CODEBOOK_DTYPE]] if config.value_pairs else CODEBOOK
+    pointers.update({name: values for name in ATTENTION_CODEBOOKS})
     scores = POINTER_DTYPES[PAIR_DTYPES[config.score_codebook_dtype]]
     pointers.update({name: scores for name in ATTENTION_SCORE_TABLES})
     block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))

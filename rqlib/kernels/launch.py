@@ -323,16 +323,22 @@ def attention(
 
     def arguments(config: geo.AttentionConfig) -> tuple:
         """The launch's arguments in ``config``, whose scores read the keys' centroids in its
-        dtype."""
+        dtype and whose values read a codebook or a table of centroid pairs."""
         k_table, bk_table = (
             _centroid_table(stream, device, config.score_codebook_dtype)
             for stream in (keys, state.band_keys)
         )
+        v_table, bv_table = (
+            _centroid_table(stream, device, numerics.CODEBOOK_DTYPE)
+            if config.value_pairs
+            else ptrs[5]
+            for stream, ptrs in ((values, v_ptrs), (state.band_values, bv_ptrs))
+        )
         return (
             rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
-            *k_ptrs[:5], k_table, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
+            *k_ptrs[:5], k_table, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_table,
             bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_table,
-            bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
+            bv_ptrs[0], bv_ptrs[1], bv_exact, bv_table,
             sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
             kv_heads, group, n_rows, state.start, first, state.end, n_splits, partition, first,
             value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
@@ -412,8 +418,9 @@ def attention_config(
     configuration does not spill. When more than one is left, each is timed on this launch's
     own arguments (:data:`BENCH`; the kernel only writes its partial results, so running it
     again changes nothing) and the fastest is kept. This is ``triton.autotune``'s job, done
-    here because the configurations differ in an argument (the dtype of the codebook the
-    scores read) and the key is a bucket of the context, which is not a kernel argument.
+    here because the configurations differ in arguments (the tables of centroids the scores
+    and the values read) and the key is a bucket of the context, which is not a kernel
+    argument.
 
     When every configuration spills (slower, not wrong), the last is taken and a warning
     names the format, once. The formats of a layer are compile-time, so a model can launch a
@@ -491,7 +498,7 @@ def wall_clock_bench(run: Callable[[], object], repeats: int = 3) -> float:
 
 
 def _centroid_table(stream, device, dtype: torch.dtype) -> torch.Tensor:
-    """The table of centroid pairs the kernel's scores read for a stream of keys, the centroids
+    """The table of centroid pairs the kernel reads for a stream of codes, the centroids
     in ``dtype`` (:func:`rqlib.kernels.numerics.kernel_table`); for ``None`` or an exact stream
     a one-element stand-in of the table's type, never read."""
     if stream is None or stream.is_exact:

@@ -60,12 +60,15 @@ MAX_VALUE_WIDTH = 512  # wider value vectors have no kernel
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """How an attention program runs: its warps, and whether the scores of codes run on fp16
-    tensor cores (``triton_common.split_dot``) or on the CUDA cores. Both compute the same sums
-    to float32 accuracy; they differ in instructions and registers."""
+    """How an attention program runs: its warps, whether the scores of codes run on fp16
+    tensor cores (``triton_common.split_dot``) or on the CUDA cores, and whether the values'
+    centroids are read two a load from a table of centroid pairs
+    (``numerics.kernel_table``; the keys' always are) or one a load from the codebook. All
+    compute the same sums to float32 accuracy; they differ in instructions and registers."""
 
     num_warps: int
     score_tensor_cores: bool
+    value_pairs: bool = False
 
     @property
     def score_codebook_dtype(self) -> torch.dtype:
@@ -75,17 +78,26 @@ class AttentionConfig:
 
     def constexprs(self) -> dict[str, int]:
         """The kernel's compile-time arguments for this configuration."""
-        return {"SCORE_TENSOR_CORES": int(self.score_tensor_cores)}
+        return {
+            "SCORE_TENSOR_CORES": int(self.score_tensor_cores),
+            "VALUE_PAIRS": int(self.value_pairs),
+        }
 
 
 #: The attention kernel's configurations, in order of preference. Four warps with the scores on
 #: tensor cores issue the fewest instructions per key (rqlib.book.sass counts them: each warp
-#: repeats the bookkeeping of a tile, and the scores' multiply-adds leave the CUDA cores), but
-#: their registers fit only the lighter formats; eight warps with the scores on the CUDA cores
-#: fit every format of the covering set. A layer format on a GPU launches the faster measured
-#: of the configurations whose compiled kernel does not spill registers, the first of them
-#: where nothing is timed (``launch.attention_config``; tests/test_kernels_aot.py).
-ATTENTION_CONFIGS = (AttentionConfig(4, True), AttentionConfig(8, False))
+#: repeats the bookkeeping of a tile, and the scores' multiply-adds leave the CUDA cores), and
+#: fewer still with the values' centroids read in pairs, but their registers fit only the
+#: lighter formats (the pairs cost registers: the presets' format at head_dim 128 fits four
+#: warps at sm_80 only without them); eight warps with the scores on the CUDA cores fit every
+#: format of the covering set. A layer format on a GPU launches the fastest measured of the
+#: configurations whose compiled kernel does not spill registers, the first of them where
+#: nothing is timed (``launch.attention_config``; tests/test_kernels_aot.py).
+ATTENTION_CONFIGS = (
+    AttentionConfig(4, True, value_pairs=True),
+    AttentionConfig(4, True),
+    AttentionConfig(8, False),
+)
 
 
 def partial_bytes(rows: int, acc_width: int) -> int:

@@ -39,15 +39,15 @@ more than sm_90 has. So do causal order and whether a mask tensor is read: as co
 save a few instructions per key but make the heaviest layouts spill.
 
 The kernel is shaped so that every layer format has a configuration that spills no register
-(``limits.ATTENTION_CONFIGS``: four warps with the scores on tensor cores where they fit, else
-eight with the scores on the CUDA cores; ``tests/test_kernels_aot.py`` compiles a covering set
-for sm_80 and sm_90; a layer format launches the configurations that do not spill, the
-faster measured on the GPU, and warns when all spill, see ``launch.attention_config``): a
-run-time branch inside
-a loop keeps the registers of both sides live, so the mask and the window are selected
-arithmetically. Accumulators wider than 256 columns (a rotor's padded width at head_dim 256),
-or between 128 and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program
-each, which recompute the same scores. The loops are not software-pipelined
+(``limits.ATTENTION_CONFIGS``: four warps with the scores on tensor cores, the values'
+centroids read in pairs or not, where they fit, else eight with the scores on the CUDA cores;
+``tests/test_kernels_aot.py`` compiles a covering set for sm_80 and sm_90; a layer format
+launches the configurations that do not spill, the fastest measured on the GPU, and warns when
+all spill, see ``launch.attention_config``): a run-time branch inside a loop keeps the
+registers of both sides live, so the mask and the window are selected arithmetically.
+Accumulators wider than 256 columns (a rotor's padded width at head_dim 256), or between 128
+and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program each, which
+recompute the same scores. The loops are not software-pipelined
 (``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And a thread may take
 up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column
 tile at 128 to fit two blocks an SM, and spill.
@@ -102,17 +102,16 @@ def load_norms(row_ptr, slots, width, valid, nbytes):
 @triton.jit
 def code_values(
     codes_ptr, slots, stride_s, key_mask, bits: tl.constexpr, code_bytes: tl.constexpr,
-    centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr,
+    centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
-    ``[BLOCK_S, BLOCK_V]``, in the dtype of the codebook ``centroids_ptr``, a load a code.
-    (Read two a load from a table of pairs, as the keys' scores read theirs, the values issue
-    fewer instructions but the presets' format spills registers at sm_80 in the first
-    configuration: ``rqlib.book.sass`` counts the one, tests/test_kernels_aot.py the other.)"""
+    ``[BLOCK_S, BLOCK_V]``, fp16: from the codebook ``centroids_ptr`` a load a code, or with
+    ``PAIRS`` from a table of centroid pairs, two a load where the layout allows
+    (``triton_common.code_centroids``)."""
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     return code_centroids(
         rows_ptr, col0, key_mask, width, bits, code_bytes, centroids_ptr, BLOCK_V,
-        group_loads(bits, width, BLOCK_V), False,
+        group_loads(bits, width, BLOCK_V), PAIRS,
     )  # fmt: skip
 
 
@@ -231,8 +230,9 @@ def attention_kernel(
     # keys' codebooks are tables of centroid pairs (*_table_ptr: rqlib.kernels.numerics.
     # kernel_table) of fp16 centroids, or float32 for the scores on the CUDA cores
     k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr, k_exact_ptr, k_table_ptr,
-    # main values: codes and norm stream, or exact vectors; the values' codebooks
-    # (*_centroids_ptr) are fp16 (rqlib.kernels.numerics.kernel_centroids)
+    # main values: codes and norm stream, or exact vectors; the values' centroids
+    # (*_centroids_ptr) are an fp16 codebook (rqlib.kernels.numerics.kernel_centroids), or with
+    # VALUE_PAIRS a table of fp16 centroid pairs
     v_codes_ptr, v_norms_ptr, v_exact_ptr, v_centroids_ptr,
     # recent band: keys (codes and norm stream, or exact), values (codes, or exact vectors:
     # the band's own or, for a layer whose values are exact, the main ones)
@@ -274,10 +274,10 @@ def attention_kernel(
     bk_code_bytes: tl.constexpr, bk_width: tl.constexpr,
     BAND_VALUE_CODES: tl.constexpr, bv_dim: tl.constexpr, bv_bits: tl.constexpr,
     bv_code_bytes: tl.constexpr, bv_width: tl.constexpr,
-    # compile-time: tiles, and whether the scores of codes run on tensor cores (the
-    # configuration: rqlib.kernels.limits.ATTENTION_CONFIGS)
+    # compile-time: tiles, whether the scores of codes run on tensor cores and whether the
+    # values' centroids are read in pairs (the configuration: limits.ATTENTION_CONFIGS)
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    SCORE_TENSOR_CORES: tl.constexpr,
+    SCORE_TENSOR_CORES: tl.constexpr, VALUE_PAIRS: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of the keys for one block of rows and one block of value
     columns, one loop per stream; see the module doc."""
@@ -365,7 +365,7 @@ def attention_kernel(
             v_norms_tile = load_norms(v_norms, slots, v_width, in_range, v_norm_bytes)
             centroids = code_values(
                 v_codes, slots, stride_vcs, in_range, v_bits, v_code_bytes, v_centroids_ptr,
-                v_dim, v_col0, BLOCK_V,
+                v_dim, v_col0, BLOCK_V, VALUE_PAIRS,
             )  # fmt: skip
             acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
     store_partial(
@@ -416,7 +416,7 @@ def attention_kernel(
             v_norms_tile = load_norms(bv_norms, slots, bv_width, in_range, bv_norm_bytes)
             centroids = code_values(
                 bv_codes, slots, stride_bvcs, in_range, bv_bits, bv_code_bytes, bv_centroids_ptr,
-                bv_dim, v_col0, BLOCK_V,
+                bv_dim, v_col0, BLOCK_V, VALUE_PAIRS,
             )  # fmt: skip
             acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
         else:

@@ -283,9 +283,11 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
 
 # (ATTENTION_BLOCK_S, CHUNK, configuration) candidates, the defaults first: CHUNK 0 takes
 # limits.attention_chunk's choice for the accumulator width; the configuration indexes
-# limits.ATTENTION_CONFIGS (warps, and whether the scores run on tensor cores). Every block
-# dimension stays >= 16 for tl.dot.
-TILE_CANDIDATES = ((16, 0, 0), (16, 0, 1), (16, 16, 0), (16, 32, 1), (32, 0, 0), (64, 16, 1))
+# limits.ATTENTION_CONFIGS (warps, whether the scores run on tensor cores, whether the values'
+# centroids are read in pairs). Every block dimension stays >= 16 for tl.dot.
+TILE_CANDIDATES = (
+    (16, 0, 0), (16, 0, 1), (16, 0, 2), (16, 16, 0), (16, 32, 2), (32, 0, 0), (64, 16, 2),
+)  # fmt: skip
 
 
 def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
@@ -312,8 +314,8 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     defaults = (geo.ATTENTION_BLOCK_S, dict(geo.ATTENTION_CHUNKS), geo.ATTENTION_CONFIGS)
     print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (CHUNK 0: {defaults[1]})")
     print(
-        f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'scores':>7} {'time us':>9} {'GB/s':>7} "
-        f"{'rel err':>8}"
+        f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'scores':>7} {'values':>7} {'time us':>9} "
+        f"{'GB/s':>7} {'rel err':>8}"
     )
     rows = []
     try:
@@ -326,9 +328,10 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
             error = float((got - expected).abs().max() / expected.abs().max())
             ms = triton.testing.do_bench(lambda: decode_step(layer, q, scale), warmup=25, rep=100)
             where = "tensor" if config.score_tensor_cores else "CUDA"
+            values = "pairs" if config.value_pairs else "single"
             print(
-                f"{block_s:>7} {chunk:>5} {config.num_warps:>5} {where:>7} {ms * 1e3:>9.1f} "
-                f"{nbytes / ms / 1e6:>7.0f} {error:>8.1e}"
+                f"{block_s:>7} {chunk:>5} {config.num_warps:>5} {where:>7} {values:>7} "
+                f"{ms * 1e3:>9.1f} {nbytes / ms / 1e6:>7.0f} {error:>8.1e}"
             )
             rows.append((block_s, chunk, config.num_warps, ms, error))
     finally:
