@@ -107,7 +107,7 @@ def test_a_decode_step_in_the_presets_format_runs_four_warps_on_tensor_cores():
             assert config.score_tensor_cores and count.score_tensor_cores, (arch, head_dim)
             assert count.warps == config.num_warps == 4
             if arch == 90:
-                assert count.config == 0 and count.value_pairs, head_dim
+                assert count.config == 0 and config.value_pairs, head_dim
 
 
 def test_issue_budget():

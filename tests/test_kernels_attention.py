@@ -374,14 +374,17 @@ def test_every_configuration_matches_the_torch_implementation(
     """Interpreted, a launch takes the first configuration (nothing to time), which the test
     above checks; a GPU may launch any of ``limits.ATTENTION_CONFIGS``, so each is forced here
     in turn, on the presets' format (2-bit values, read in pairs where the configuration says
-    so) and one of 4-bit keys and 3-bit values."""
-    monkeypatch.setattr(geo, "ATTENTION_CONFIGS", (geo.ATTENTION_CONFIGS[index],))
+    so) and one of 4-bit keys and 3-bit values, and every launch is seen to run in it."""
+    config = geo.ATTENTION_CONFIGS[index]
+    monkeypatch.setattr(geo, "ATTENTION_CONFIGS", (config,))
     wider = next(
         case for case in CASES if case.values == ("turboquant-mse", 3, {"rotation": "hadamard"})
     )
     for case in (CASES[0], wider):
         test_triton_attention_matches_the_torch_implementation(case, rng, recorded)
-    assert list(launch._CONFIG_OF.values())[-1] == geo.ATTENTION_CONFIGS[0]
+    for _, keywords in recorded.launches:
+        assert keywords["num_warps"] == config.num_warps
+        assert config.constexprs().items() <= keywords.items()
 
 
 @pytest.fixture

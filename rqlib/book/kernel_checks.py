@@ -379,7 +379,7 @@ def gather_centroids(
     ``table`` (``numerics.kernel_table``), in one program: ``[rows, width]`` in the table's
     centroid dtype, every row and column written, also those past ``n_rows`` and ``dim`` (the
     kernel reads 0 there). Codes eight a load with ``groups``, ``chunk`` columns at a time."""
-    dtype = {v: k for k, v in numerics.PAIR_DTYPES.items()}[table.dtype]
+    dtype = numerics.PAIR_CENTROID_DTYPES[table.dtype]
     out = torch.full((rows, width), float("nan"), dtype=dtype, device=packed.device)
     _gather_centroids_kernel[(1,)](
         packed, table, out, n_rows, dim, bits, packed.shape[1], rows, chunk, width, groups

@@ -186,13 +186,6 @@ class IssueCount:
         return geo.ATTENTION_CONFIGS[self.config].score_tensor_cores
 
     @property
-    def value_pairs(self) -> bool:
-        """Whether this configuration reads the values' centroids two a load."""
-        from rqlib.kernels import limits as geo
-
-        return geo.ATTENTION_CONFIGS[self.config].value_pairs
-
-    @property
     def per_key_per_thread(self) -> float:
         return sum(self.per_tile.values()) / self.keys
 

@@ -32,7 +32,6 @@ import copy
 import dataclasses
 import weakref
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -40,6 +39,7 @@ __all__ = [
     "CODEBOOK_ROUNDING",
     "PART_REMAINDER",
     "PAIR_DTYPES",
+    "PAIR_CENTROID_DTYPES",
     "PAIR_MAX_BITS",
     "kernel_centroids",
     "kernel_quantizer",
@@ -62,8 +62,11 @@ PART_REMAINDER = (2.0**-22, 2.0**-25)
 #: the widest codes whose centroids the kernel reads two at a time: a table of ``4^b`` pairs
 #: (1 KB of fp16 pairs at 4 bits; 5 bits would take 4 KB of the L1 cache, 8 bits 256 KB)
 PAIR_MAX_BITS = 4
-#: the integer that holds a pair of centroids of each dtype
+#: the integer that holds a pair of centroids of each dtype, and the reverse
 PAIR_DTYPES = {torch.float16: torch.int32, torch.float32: torch.int64}
+PAIR_CENTROID_DTYPES = {pair: centroid for centroid, pair in PAIR_DTYPES.items()}
+#: the integer as wide as one centroid, that holds its bits
+_CENTROID_BITS = {torch.float16: torch.int16, torch.float32: torch.int32}
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # quantizer -> its tables
 
@@ -99,15 +102,12 @@ def kernel_table(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> torc
     tables = _TABLES.setdefault(quantizer, {})
     key = ("pairs", torch.device(device), dtype)
     if key not in tables:
-        pattern = {torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
         width = torch.finfo(dtype).bits
-        values = kernel_centroids(quantizer, "cpu", dtype).view(pattern).numpy()
-        unsigned = values.astype(np.int64) & ((1 << width) - 1)  # each centroid's bits
-        n = len(unsigned)
-        high = unsigned if n <= 1 << PAIR_MAX_BITS else unsigned[:1] * 0
-        entries = unsigned[None, :].astype(np.uint64) | (high[:, None].astype(np.uint64) << width)
-        signed = entries.reshape(-1).astype(f"uint{2 * width}").view(f"int{2 * width}")
-        tables[key] = torch.from_numpy(signed.copy()).to(device)
+        centroids = kernel_centroids(quantizer, "cpu", dtype).view(_CENTROID_BITS[dtype])
+        low = centroids.long() & ((1 << width) - 1)  # each centroid's bits, unsigned
+        high = low if len(low) <= 1 << PAIR_MAX_BITS else torch.zeros_like(low[:1])
+        entries = low[None, :] | (high[:, None] << width)  # int64 arithmetic wraps, bit-exact
+        tables[key] = entries.reshape(-1).to(PAIR_DTYPES[dtype]).to(device)
     return tables[key]
 
 
@@ -115,13 +115,12 @@ def table_halves(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(low, high)``: the two centroids that entries of a table of centroid pairs
     (:func:`kernel_table`) hold, fp16 from int32 entries and float32 from int64 ones, as the
     kernel splits them (``triton_common.pair_halves``)."""
-    dtype = {v: k for k, v in PAIR_DTYPES.items()}.get(entries.dtype)
+    dtype = PAIR_CENTROID_DTYPES.get(entries.dtype)
     if dtype is None:
         raise ValueError(
-            f"tables of centroid pairs are of {list(PAIR_DTYPES.values())}, not {entries.dtype}"
+            f"tables of centroid pairs are of {list(PAIR_CENTROID_DTYPES)}, not {entries.dtype}"
         )
-    halves = {torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
-    width = torch.finfo(dtype).bits
+    halves, width = _CENTROID_BITS[dtype], torch.finfo(dtype).bits
     return entries.to(halves).view(dtype), (entries >> width).to(halves).view(dtype)
 
 
