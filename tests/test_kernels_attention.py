@@ -29,6 +29,8 @@ import warnings
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from rqlib import kernels
 from rqlib.core.quantizers import make_quantizer
@@ -37,7 +39,8 @@ from rqlib.hf.codec import ChannelPart, VectorCodec
 from rqlib.kernels import aot, launch, numerics, reference
 from rqlib.kernels import limits as geo
 from rqlib.kernels.state import CausalMask, DenseMask
-from rqlib.kernels.store import round_capacity
+from rqlib.kernels.store import NORM_TAIL, round_capacity
+from rqlib.kernels.triton_attention import aligned_start, ring_tile
 
 pytestmark = pytest.mark.interpreter
 
@@ -336,6 +339,90 @@ def test_a_state_the_kernel_cannot_serve_is_refused(rng):
         assert torch.isfinite(kernels.attention(state, q, mask, scale=0.1)).all()
     with pytest.raises(ValueError, match="head_dim 32 has no kernel"):
         kernels.check_layer(codec(("turboquant-mse", 3, {}), 32, rng), None)
+
+
+@triton.jit
+def walk_ring_kernel(out_ptr, lo, hi, capacity, BLOCK_S: tl.constexpr):
+    """Write ``(key, slot, read)`` for every key of every tile of the attention kernel's loop
+    over keys ``lo .. hi - 1`` of a ring of ``capacity`` slots, in the order it walks them."""
+    tile_lo, slot_lo = aligned_start(lo, hi, capacity, BLOCK_S)
+    row = 0
+    for tile in range(tile_lo, hi, BLOCK_S):
+        keys, in_range, slots, slot_lo = ring_tile(tile, slot_lo, lo, hi, capacity, BLOCK_S)
+        at = (row + tl.arange(0, BLOCK_S)) * 3
+        tl.store(out_ptr + at, keys)
+        tl.store(out_ptr + at + 1, slots)
+        tl.store(out_ptr + at + 2, in_range.to(tl.int32))
+        row += BLOCK_S
+
+
+def ring_walk_errors(lo: int, hi: int, capacity: int) -> list[str]:
+    """What is wrong with the kernel's walk over keys ``lo .. hi - 1`` of a ring: a key read
+    twice, missed or out of order, a slot outside the ring or not ``key % capacity``, a tile
+    that does not start on a multiple of the tile size, a tile with nothing to read."""
+    block = geo.ATTENTION_BLOCK_S
+    rows = (max(hi - lo, 0) // block + 2) * block
+    out = torch.full((rows, 3), -1, dtype=torch.int32)
+    walk_ring_kernel[(1,)](out, lo, hi, capacity, BLOCK_S=block)
+    walked = out[out[:, 0] >= 0]
+    keys, slots, read = walked[:, 0], walked[:, 1], walked[:, 2].bool()
+    errors = []
+    if keys[read].tolist() != list(range(lo, hi)):
+        errors.append(f"read keys {keys[read].tolist()}, not {lo}..{hi - 1}")
+    if ((slots < 0) | (slots >= capacity)).any():
+        errors.append(f"slots {sorted(set(slots[slots >= capacity].tolist()))} outside the ring")
+    if (slots != keys % capacity).any():
+        errors.append("a slot that is not its key modulo the capacity")
+    if (keys[::block] % block).any():
+        errors.append(f"tiles starting at {keys[::block].tolist()}")
+    if not read.reshape(-1, block).any(dim=1).all():  # (a stream may have no buffers to read)
+        errors.append("a tile with no key to read")
+    return errors
+
+
+def test_the_kernel_walks_each_ring_key_once_in_its_slot_and_never_past_the_ring(rng):
+    """The loops of the attention kernel read whole tiles of a ring without masks, so every key
+    of every tile must lie inside the ring, in slot ``key % capacity``, and the keys it reads
+    must be exactly the loop's range. Checked on random ranges (up to a full ring, crossing
+    its end, empty), and rejecting a ring whose capacity is not a multiple of the tile."""
+    block = geo.ATTENTION_BLOCK_S
+    cases = [(5, 5, block), (9, 3, block), (0, block, block)]
+    for _ in range(40):
+        capacity = block * int(torch.randint(1, 9, (1,), generator=rng))
+        lo = int(torch.randint(0, 10 * capacity, (1,), generator=rng))
+        length = int(torch.randint(0, capacity + 1, (1,), generator=rng))
+        cases.append((lo, lo + length, capacity))
+    for lo, hi, capacity in cases:
+        assert ring_walk_errors(lo, hi, capacity) == [], (lo, hi, capacity)
+    # the check can fail: with 24 slots (not a multiple of 16) a tile crosses the ring's end
+    assert any("outside the ring" in e for e in ring_walk_errors(20, 40, block + 8))
+
+
+def test_a_ring_the_kernel_would_read_past_is_refused(rng):
+    """A ring whose capacity is not a multiple of the key tile, or whose norm stream lacks
+    its spare bytes, is refused at launch with the stream named, not read past its end."""
+    d = 64
+    keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
+    mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
+
+    def layer():
+        layer = CompressedLayer(0, keys, values)
+        layer.active = True
+        layer.update(torch.randn(1, 1, 5, d, generator=rng), torch.randn(1, 1, 5, d, generator=rng))
+        return layer
+
+    state = layer().state()
+    for stream in (state.keys, state.values):
+        stream.rings[0]._reallocate(geo.ATTENTION_BLOCK_S + 8, keep_from=0)
+    with pytest.raises(ValueError, match="the keys ring has 24 slots.*multiple"):
+        kernels.attention(state, q, mask, scale=0.1, backend="triton")
+    state = layer().state()
+    ring = state.values.rings[0]
+    ring.buffers["norms"] = ring.buffers["norms"][..., :-NORM_TAIL]
+    with pytest.raises(
+        ValueError, match=r"the values ring's norms stream has \d+ bytes; the kernel reads"
+    ):
+        kernels.attention(state, q, mask, scale=0.1, backend="triton")
 
 
 def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 from rqlib.core.packing import packed_size
 from rqlib.core.quantizers import CompressedVectors
 from rqlib.kernels import limits as geo
-from rqlib.kernels import numerics
+from rqlib.kernels import numerics, store
 from rqlib.kernels.triton_attention import attention_kernel, reduce_kernel
 from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
@@ -133,17 +133,17 @@ def _ring_arguments(stream, device, exact_dtype):
 
     Returns ``(pointers, sizes, strides)``: pointers (codes, norms, signs, residual norms,
     exact, fp16 codebook; the keys' table of centroid pairs is :func:`_centroid_table`'s), sizes
-    (ring capacity, QJL sketch dimension and scale, norm-stream bytes), strides (codes b/h/s,
+    (ring capacity, QJL sketch dimension and scale), strides (codes b/h/s,
     norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
     u8, exact_dummy = _dummy(device), _dummy(device, exact_dtype)
     no_codebook = _dummy(device, numerics.CODEBOOK_DTYPE)
     if stream is None:
-        return (u8, u8, u8, u8, exact_dummy, no_codebook), (0, 0, 0.0, 0), (0,) * 13
+        return (u8, u8, u8, u8, exact_dummy, no_codebook), (0, 0, 0.0), (0,) * 13
     if stream.is_exact:
         ring = stream.exact
         x = ring.buffers["exact"]
         pointers = (u8, u8, u8, u8, x, no_codebook)
-        return pointers, (ring.capacity, 0, 0.0, 0), (0,) * 10 + tuple(x.stride()[:3])
+        return pointers, (ring.capacity, 0, 0.0), (0,) * 10 + tuple(x.stride()[:3])
     part = stream.parts[0]
     ring, qz = part.ring, part.quantizer
     buffers = ring.buffers
@@ -154,7 +154,7 @@ def _ring_arguments(stream, device, exact_dtype):
     centroids = numerics.kernel_centroids(qz, device)
     pointers = (codes, norms, signs, rnorms, exact_dummy, centroids)
     qjl_dim, qjl_scale = (qz.qjl_dim, float(qz.qjl_scale)) if qz.has_qjl else (0, 0.0)
-    sizes = (ring.capacity, qjl_dim, qjl_scale, norms.shape[-1])
+    sizes = (ring.capacity, qjl_dim, qjl_scale)
     strides = (
         *codes.stride()[:3],
         *norms.stride()[:2],
@@ -165,6 +165,31 @@ def _ring_arguments(stream, device, exact_dtype):
         0,
     )
     return pointers, sizes, strides
+
+
+def _check_tiles(stream, name: str) -> None:
+    """Refuse a stream the kernel would read past: its rings must have capacities that are
+    multiples of its key tile, and norm streams the spare bytes :mod:`rqlib.kernels.store`
+    gives them (the kernel reads whole tiles of a ring without masks)."""
+    if stream is None:
+        return
+    for ring in stream.rings:
+        if ring.capacity % geo.ATTENTION_BLOCK_S:
+            raise ValueError(
+                f"the {name} ring has {ring.capacity} slots; the attention kernel reads "
+                f"tiles of {geo.ATTENTION_BLOCK_S} and needs a multiple of it "
+                f"(store.round_capacity rounds to {geo.RING_GRANULE})"
+            )
+        for buffer in ("norms", "rnorms"):
+            if buffer in ring.buffers:
+                need = ring.capacity * ring.norm_width // 8 + store.NORM_TAIL
+                if ring.buffers[buffer].shape[-1] < need:
+                    raise ValueError(
+                        f"the {name} ring's {buffer} stream has "
+                        f"{ring.buffers[buffer].shape[-1]} bytes; the kernel reads {need} "
+                        f"({ring.capacity} fields of {ring.norm_width} bits and "
+                        f"{store.NORM_TAIL} spare bytes)"
+                    )
 
 
 def _exact_dtype(state, default: torch.dtype) -> torch.dtype:
@@ -239,6 +264,8 @@ def attention(
             raise ValueError("the band's key and value rings must have the same capacity")
     if keys.rings[0].capacity != values.rings[0].capacity:
         raise ValueError("the key and value rings must have the same capacity")
+    for name in ("keys", "values", "band_keys", "band_values"):
+        _check_tiles(getattr(state, name), name)
 
     # the query side: rows ordered (batch, KV head, position, head of the group)
     rows = q.float().reshape(batch, kv_heads, group, length, head_dim).transpose(2, 3)
@@ -309,7 +336,8 @@ def attention(
     if causal and window:
         first = max(first, state.start - window + 1)
     n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
-    span = state.end - first
+    split_lo = first - first % geo.ATTENTION_BLOCK_S  # splits start on whole key tiles
+    span = state.end - split_lo
     if n_row_blocks == 1:
         n_splits, partition = split_plan(state, span, batch, n_rows, acc_width, device, partition)
     else:  # a prompt: its row blocks provide the parallelism, one split each
@@ -340,12 +368,12 @@ def attention(
             bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_table,
             bv_ptrs[0], bv_ptrs[1], bv_exact, bv_table,
             sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
-            kv_heads, group, n_rows, state.start, first, state.end, n_splits, partition, first,
+            kv_heads, group, n_rows, state.start, first, state.end, n_splits, partition, split_lo,
             value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
             *mask_strides, float(scale), float(softcap or 0.0),
             *k_sizes, *k_strides,
-            v_sizes[3], *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
-            max(bk_sizes[0], 1), bk_sizes[3], bv_cap, bv_sizes[3],
+            *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
+            max(bk_sizes[0], 1), bv_cap,
             *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
             *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
             *sink_k_strides, *sink_v_strides, sv_cap,

@@ -43,6 +43,10 @@ ATTENTION_CHUNK = 16  # the same in the attention kernel at 256 accumulator colu
 ATTENTION_CHUNKS = {64: 64, 128: 128, 256: ATTENTION_CHUNK}
 SCORES_BLOCK_S = 32  # keys per fused_scores tile
 ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)
+#: Ring capacities are multiples of this many slots (rqlib.kernels.store): every key tile the
+#: attention kernel is compiled with (ATTENTION_BLOCK_S, and the tile sweep's) divides it, so no
+#: tile crosses the end of a ring.
+RING_GRANULE = 64
 BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
 BLOCK_N = 16  # vectors per quantize program
 NUM_WARPS = 8  # scores and quantize kernels
@@ -88,8 +92,8 @@ class AttentionConfig:
 #: tensor cores issue the fewest instructions per key (rqlib.book.sass counts them: each warp
 #: repeats the bookkeeping of a tile, and the scores' multiply-adds leave the CUDA cores), and
 #: fewer still with the values' centroids read in pairs, but their registers fit only the
-#: lighter formats (the pairs cost registers: the presets' format at head_dim 128 fits four
-#: warps at sm_80 only without them); eight warps with the scores on the CUDA cores fit every
+#: lighter formats (the pairs cost registers, and some formats fit four warps only without
+#: them); eight warps with the scores on the CUDA cores fit every
 #: format of the covering set. A layer format on a GPU launches the fastest measured of the
 #: configurations whose compiled kernel does not spill registers, the first of them where
 #: nothing is timed (``launch.attention_config``; tests/test_kernels_aot.py).

@@ -10,13 +10,19 @@ overwrites the oldest.
 Packed streams store exactly what the bit accounting counts (:mod:`rqlib.spec.bits`):
 
 - ``codes``   ``uint8 [B, KV, C, ceil(D·b/8)]`` packed code rows (when the quantizer has codes);
-- ``norms``   ``uint8 [B, KV, C·w/8]``: the norms as one bit stream of ``w``-bit fields along the
-  token axis (``w = quantizer.norm_bits``: 11 bits for ``nm=6``, 16 for float16), slot ``s`` at
-  stream bits ``s·w .. s·w + w - 1`` (:func:`rqlib.core.packing.pack_fields`);
+- ``norms``   ``uint8 [B, KV, C·w/8 + 2]``: the norms as one bit stream of ``w``-bit fields along
+  the token axis (``w = quantizer.norm_bits``: 11 bits for ``nm=6``, 16 for float16), slot ``s``
+  at stream bits ``s·w .. s·w + w - 1`` (:func:`rqlib.core.packing.pack_fields`), and
+  :data:`NORM_TAIL` spare bytes, so that the attention kernel reads any field as three whole
+  bytes without a mask;
 - ``signs`` / ``rnorms``: QJL sign rows and residual norms (``-prod`` quantizers), the same way.
 
-Exact streams hold ``[B, KV, C, d]`` in the model's dtype. Capacities are multiples of 8, so a
-norm stream is a whole number of bytes and slot groups of eight start on byte boundaries.
+Exact streams hold ``[B, KV, C, d]`` in the model's dtype. Capacities are multiples of
+``limits.RING_GRANULE`` slots: a norm stream is a whole number of bytes, slot groups of eight
+start on byte boundaries, and the attention kernel's key tiles (``limits.ATTENTION_BLOCK_S``,
+which divides it) never cross the end of a ring.
+Buffers are allocated as zeros, so every slot holds a stored token or zeros: the kernel reads
+whole tiles without masks and masks the keys it does not need out of the softmax.
 
 A packed stream can also keep a **decoded copy** (:meth:`VectorRing.keep_decoded`): the codebook
 values of its codes (``float32 [B, KV, C, D]``) and its norms (``float32 [B, KV, C]``), written
@@ -39,16 +45,18 @@ import torch
 from rqlib.core.estimator import centroid_values
 from rqlib.core.packing import norm_fields, norm_table, unpack_fields, write_fields
 from rqlib.core.quantizers import CompressedVectors
+from rqlib.kernels.limits import RING_GRANULE
 
-__all__ = ["VectorRing", "round_capacity"]
+__all__ = ["GRANULE", "NORM_TAIL", "VectorRing", "round_capacity"]
 
-GRANULE = 8  # capacities are multiples of 8 slots
+GRANULE = RING_GRANULE  # capacities are multiples of this (64) many slots
+NORM_TAIL = 2  # spare bytes after a norm stream: a field is read as 3 bytes from its first
 DECODED_DTYPE = torch.float32  # the dtype of a decoded copy (the attention's dtype on CPU)
 DECODED = ("decoded", "norm_values")  # its buffers
 
 
 def round_capacity(n: int) -> int:
-    """The smallest capacity >= ``n`` (and >= 8) that is a multiple of 8."""
+    """The smallest capacity >= ``n`` (and >= :data:`GRANULE`) that is a multiple of it."""
     return max(GRANULE, -(-n // GRANULE) * GRANULE)
 
 
@@ -109,13 +117,14 @@ class VectorRing:
         if not self.packed:
             return {"exact": ((*lead, capacity, self.dim), self.dtype)}
         qz = self.quantizer
-        shapes = {"norms": ((*lead, capacity * self.norm_width // 8), torch.uint8)}
+        stream_bytes = capacity * self.norm_width // 8 + NORM_TAIL
+        shapes = {"norms": ((*lead, stream_bytes), torch.uint8)}
         if qz.mse_bits:
             code_bytes = (qz.rotated_dim * qz.mse_bits + 7) // 8
             shapes["codes"] = ((*lead, capacity, code_bytes), torch.uint8)
         if qz.has_qjl:
             shapes["signs"] = ((*lead, capacity, (qz.qjl_dim + 7) // 8), torch.uint8)
-            shapes["rnorms"] = ((*lead, capacity * self.norm_width // 8), torch.uint8)
+            shapes["rnorms"] = ((*lead, stream_bytes), torch.uint8)
         if self.has_decoded:
             shapes.update(self._decoded_shapes(capacity))
         return shapes

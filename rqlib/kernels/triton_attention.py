@@ -60,7 +60,9 @@ zeros.
 
 Tokens live in ring buffers (:mod:`rqlib.kernels.store`): position ``p`` of a stream with
 ``C`` slots is slot ``p % C``, so an append-only stream and a window (the band, a sliding layer
-that evicts old tokens) are read the same way.
+that evicts old tokens) are read the same way. ``C`` is a multiple of BLOCK_S and tiles start at
+multiples of BLOCK_S (:func:`aligned_start`), so a tile's slots are consecutive and inside the
+ring, and its loads take no mask (:func:`every_key`).
 
 Bytes read per key and KV head in a decode step, head_dim 128, 3-bit keys and values, 11-bit
 norms: 2 * (48 + 1.375) = 98.75 bytes, against 512 for fp16 keys and values; the sink and band
@@ -84,16 +86,18 @@ from rqlib.kernels.triton_common import (
 
 
 @triton.jit
-def load_norms(row_ptr, slots, width, valid, nbytes):
+def load_norms(row_ptr, slots, width):
     """Float32 norms of ``slots`` from a bit stream of ``width``-bit fields (slot ``s`` at stream
     bits ``s * width ...``): float16 patterns without sign and dropped mantissa bits, or whole
-    float16 values when ``width`` is 16."""
+    float16 values when ``width`` is 16. A field is read as the three bytes from the one that
+    holds its first bit, without a mask: a stream ends in two spare bytes
+    (:data:`rqlib.kernels.store.NORM_TAIL`)."""
     bit = slots.to(tl.int64) * width
     byte = bit >> 3
     shift = (bit & 7).to(tl.int32)
-    b0 = tl.load(row_ptr + byte, mask=valid, other=0).to(tl.int32)
-    b1 = tl.load(row_ptr + byte + 1, mask=valid & (byte + 1 < nbytes), other=0).to(tl.int32)
-    b2 = tl.load(row_ptr + byte + 2, mask=valid & (byte + 2 < nbytes), other=0).to(tl.int32)
+    b0 = tl.load(row_ptr + byte).to(tl.int32)
+    b1 = tl.load(row_ptr + byte + 1).to(tl.int32)
+    b2 = tl.load(row_ptr + byte + 2).to(tl.int32)
     field = ((b0 | (b1 << 8) | (b2 << 16)) >> shift) & ((1 << width) - 1)
     pattern = field << tl.where(width < 16, 15 - width, 0)
     return pattern.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -134,15 +138,36 @@ def wrap(slots, capacity):
 
 
 @triton.jit
-def ring_slots(first_slot, capacity, BLOCK_S: tl.constexpr):
-    """Ring slots of the BLOCK_S keys of a tile whose first key is in slot ``first_slot``
-    (``< capacity``). One :func:`wrap` serves every key the tile reads: a ring holds at most
-    ``capacity`` consecutive positions, so the tile's keys in range lie fewer than ``capacity``
-    past its first; the slots of keys out of range may be wrong and are never read (their loads
-    are masked). A loop carries ``first_slot`` from tile to tile with :func:`wrap` too: a loop
-    that runs past its first tile reads more than BLOCK_S keys, so its ring has more than
-    BLOCK_S slots. One division before the loop, none per key."""
-    return wrap(first_slot + tl.arange(0, BLOCK_S), capacity)
+def aligned_start(lo, hi, capacity, BLOCK_S: tl.constexpr):
+    """``(tile_lo, slot_lo)``: the first key and ring slot of the loop over keys ``lo .. hi - 1``
+    of a ring of ``capacity`` slots, a multiple of BLOCK_S. Tiles start at multiples of BLOCK_S,
+    in positions and so in slots (``p % BLOCK_S == (p % capacity) % BLOCK_S``): no tile crosses
+    the end of the ring, and a tile's slots are ``slot_lo + 0 .. BLOCK_S - 1`` with no per-key
+    wrap. The keys before ``lo`` of the first tile are masked; an empty range stays empty
+    (``tile_lo = hi``). One division before the loop, none per key."""
+    tile_lo = tl.where(lo < hi, lo - lo % BLOCK_S, hi)
+    return tile_lo, tile_lo % tl.maximum(capacity, 1)
+
+
+@triton.jit
+def ring_tile(tile, slot_lo, lo, hi, capacity, BLOCK_S: tl.constexpr):
+    """``(keys, in_range, slots, next_slot_lo)`` of the tile whose first key is ``tile`` and
+    first slot ``slot_lo`` (from :func:`aligned_start`) in the loop over keys ``lo .. hi - 1``:
+    its keys, which of them the loop reads, their slots, and the first slot of the next tile."""
+    keys = tile + tl.arange(0, BLOCK_S)
+    in_range = (keys >= lo) & (keys < hi)
+    slots = slot_lo + tl.arange(0, BLOCK_S)
+    return keys, in_range, slots, wrap(slot_lo + BLOCK_S, capacity)
+
+
+@triton.jit
+def every_key(BLOCK_S: tl.constexpr):
+    """The load mask of a ring tile: all true. A tile from :func:`aligned_start` lies inside
+    the ring, and every slot holds a stored token or the zeros it was allocated with
+    (:mod:`rqlib.kernels.store`), finite either way; the keys of the tile outside the loop's
+    range are read and then masked out of the softmax (``p = 0``), which costs fewer
+    instructions than masking every load of a key."""
+    return tl.full((BLOCK_S,), 1, tl.int1)
 
 
 @triton.jit
@@ -246,16 +271,15 @@ def attention_kernel(
     kv_heads, group, n_rows, start, first, end, n_splits, partition, split_lo, value_blocks,
     n_sink, band, causal, window, has_mask, mask_len, mask_offset, stride_mb, stride_mt, stride_mk,
     scale, softcap,
-    # main keys: ring capacity, QJL scale, bytes of a norm stream, strides
-    k_cap, k_sketch_dim, k_qjl_scale, k_norm_bytes,
+    # main keys: ring capacity, QJL sketch dimension and scale, strides
+    k_cap, k_sketch_dim, k_qjl_scale,
     stride_kcb, stride_kch, stride_kcs, stride_knb, stride_knh,
     stride_ksb, stride_ksh, stride_kss, stride_krb, stride_krh,
     stride_kxb, stride_kxh, stride_kxs,
     # main values
-    v_norm_bytes,
     stride_vcb, stride_vch, stride_vcs, stride_vnb, stride_vnh, stride_vxb, stride_vxh, stride_vxs,
     # the band's keys and values
-    b_cap, bk_norm_bytes, bv_cap, bv_norm_bytes,
+    b_cap, bv_cap,
     stride_bkcb, stride_bkch, stride_bkcs, stride_bknb, stride_bknh,
     stride_bkxb, stride_bkxh, stride_bkxs,
     stride_bvcb, stride_bvch, stride_bvcs, stride_bvnb, stride_bvnh,
@@ -322,29 +346,27 @@ def attention_kernel(
     mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0)  # <q, mu> (zeros: no mean)
     q_main_scale = tl.load(q_main_scale_ptr + q_rows, mask=row_mask, other=0.0)
     m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
-    first_slot = main_lo % tl.maximum(k_cap, 1)
-    for tile in range(main_lo, main_hi, BLOCK_S):
-        keys = tile + tl.arange(0, BLOCK_S)
-        in_range = keys < main_hi
-        slots = ring_slots(first_slot, k_cap, BLOCK_S)
-        first_slot = wrap(first_slot + BLOCK_S, k_cap)
+    tile_lo, slot_lo = aligned_start(main_lo, main_hi, k_cap, BLOCK_S)
+    loaded = every_key(BLOCK_S)
+    for tile in range(tile_lo, main_hi, BLOCK_S):
+        keys, in_range, slots, slot_lo = ring_tile(tile, slot_lo, main_lo, main_hi, k_cap, BLOCK_S)
         if k_exact != 0:
             scores = exact_scores(
-                q_raw_ptr, q_rows, row_mask, head_dim, k_x, slots, stride_kxs, in_range,
+                q_raw_ptr, q_rows, row_mask, head_dim, k_x, slots, stride_kxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
             )  # fmt: skip
         else:
-            norms = load_norms(k_norms, slots, k_width, in_range, k_norm_bytes)
+            norms = load_norms(k_norms, slots, k_width)
             scores = code_scores(
-                q_main_ptr, q_rows, row_mask, k_dim, k_codes, slots, stride_kcs, in_range,
+                q_main_ptr, q_rows, row_mask, k_dim, k_codes, slots, stride_kcs, loaded,
                 k_bits, k_code_bytes, k_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
                 group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES, True,
             ) * (q_main_scale[:, None] * norms[None, :])  # fmt: skip
             if k_qjl > 0:
-                rnorms = load_norms(k_rnorms, slots, k_width, in_range, k_norm_bytes)
+                rnorms = load_norms(k_rnorms, slots, k_width)
                 qjl = sign_scores(
                     q_sketch_ptr, q_rows, row_mask, k_sketch_dim, k_signs, slots, stride_kss,
-                    in_range,
+                    loaded,
                     BLOCK_ROWS, BLOCK_S, CHUNK,
                 )  # fmt: skip
                 scores += qjl * (rnorms * k_qjl_scale)[None, :]
@@ -359,12 +381,12 @@ def attention_kernel(
         visible = visible * not_band.to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
         if v_exact != 0:
-            v_tile = exact_values(v_x, slots, stride_vxs, in_range, head_dim, v_col0, BLOCK_V)
+            v_tile = exact_values(v_x, slots, stride_vxs, loaded, head_dim, v_col0, BLOCK_V)
             acc = tl.dot(p, v_tile, acc, input_precision="ieee")
         else:  # sum_j (p_j ||v_j||) c_j, the products on tensor cores
-            v_norms_tile = load_norms(v_norms, slots, v_width, in_range, v_norm_bytes)
+            v_norms_tile = load_norms(v_norms, slots, v_width)
             centroids = code_values(
-                v_codes, slots, stride_vcs, in_range, v_bits, v_code_bytes, v_centroids_ptr,
+                v_codes, slots, stride_vcs, loaded, v_bits, v_code_bytes, v_centroids_ptr,
                 v_dim, v_col0, BLOCK_V, VALUE_PAIRS,
             )  # fmt: skip
             acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
@@ -387,22 +409,20 @@ def attention_kernel(
     band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0)
     q_band_scale = tl.load(q_band_scale_ptr + q_rows, mask=row_mask, other=0.0)
     m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
-    first_slot = band_lo % tl.maximum(b_cap, 1)
-    for tile in range(band_lo, band_hi, BLOCK_S):
-        keys = tile + tl.arange(0, BLOCK_S)
-        in_range = keys < band_hi
-        slots = ring_slots(first_slot, b_cap, BLOCK_S)
-        first_slot = wrap(first_slot + BLOCK_S, b_cap)
+    tile_lo, slot_lo = aligned_start(band_lo, band_hi, b_cap, BLOCK_S)
+    loaded = every_key(BLOCK_S)
+    for tile in range(tile_lo, band_hi, BLOCK_S):
+        keys, in_range, slots, slot_lo = ring_tile(tile, slot_lo, band_lo, band_hi, b_cap, BLOCK_S)
         if band_k_mode == 2:  # keys as codes
-            norms = load_norms(bk_norms, slots, bk_width, in_range, bk_norm_bytes)
+            norms = load_norms(bk_norms, slots, bk_width)
             scores = code_scores(
-                q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, in_range,
+                q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, loaded,
                 bk_bits, bk_code_bytes, bk_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
                 group_loads(bk_bits, bk_dim, CHUNK), SCORE_TENSOR_CORES, True,
             ) * (q_band_scale[:, None] * norms[None, :]) + band_mean[:, None]  # fmt: skip
         else:
             scores = exact_scores(
-                q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, in_range,
+                q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
             )  # fmt: skip
         visible = visible_pairs(
@@ -413,15 +433,15 @@ def attention_kernel(
         visible = visible * (after_band_start & (keys[None, :] <= positions[:, None])).to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
         if BAND_VALUE_CODES:
-            v_norms_tile = load_norms(bv_norms, slots, bv_width, in_range, bv_norm_bytes)
+            v_norms_tile = load_norms(bv_norms, slots, bv_width)
             centroids = code_values(
-                bv_codes, slots, stride_bvcs, in_range, bv_bits, bv_code_bytes, bv_centroids_ptr,
+                bv_codes, slots, stride_bvcs, loaded, bv_bits, bv_code_bytes, bv_centroids_ptr,
                 bv_dim, v_col0, BLOCK_V, VALUE_PAIRS,
             )  # fmt: skip
             acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
         else:
             v_tile = exact_values(
-                bv_x, keys % bv_cap, stride_bvxs, in_range, head_dim, v_col0, BLOCK_V
+                bv_x, keys % bv_cap, stride_bvxs, loaded, head_dim, v_col0, BLOCK_V
             )
             acc = tl.dot(p, v_tile, acc, input_precision="ieee")
     store_partial(
