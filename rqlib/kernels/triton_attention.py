@@ -16,10 +16,11 @@ three streams:
 The program walks each stream in its own loop over tiles of BLOCK_S keys (main, then band, then
 sink), so a tile decodes only what it reads and a loop keeps one accumulator live. Per tile:
 scale, logit softcap, the mask (causal, sliding window, a padding or dense mask read per key,
-and the pairs that belong to another stream), an online softmax (running max m, running sum l),
-and the values weighted in place: codes accumulate ``p ||v|| c[codes]`` in the value quantizer's
-rotated space, exact vectors in the model's coordinates. Nothing is ever decoded to a value
-vector per key; the rotations back happen once per query after the reduce.
+and the pairs that belong to another stream), an online softmax in base 2 (running max m,
+running sum l; :data:`LOG2E`), and the values weighted in place: codes accumulate
+``p ||v|| c[codes]`` in the value quantizer's rotated space, exact vectors in the model's
+coordinates. Nothing is ever decoded to a value vector per key; the rotations back happen once
+per query after the reduce.
 
 Precision: every product with codebook values (the scores of coded keys and the weighted coded
 values) runs on fp16 tensor cores, to float32 accuracy on the kernel's codebook, the codebook
@@ -54,7 +55,7 @@ tile at 128 to fit two blocks an SM, and spill.
 
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
 2 sink). ``reduce_kernel`` merges every split and slot of a row: ``M = max m``, ``L = sum
-e^(m - M) l``, and per slot ``out_t = sum_s e^(m_st - M) acc_st / L``: a slot is a part of the
+2^(m - M) l``, and per slot ``out_t = sum_s 2^(m_st - M) acc_st / L``: a slot is a part of the
 softmax-weighted sum in its own coordinates. A row that sees no key (a padding position) gets
 zeros.
 
@@ -83,6 +84,11 @@ from rqlib.kernels.triton_common import (
     sign_scores,
     split_dot,
 )
+
+#: Logits are kept in base 2 inside the kernel: ``e^x = 2^(x log2 e)``, so the scale of the
+#: scores is ``scale * LOG2E`` (folded into each stream's per-row factors) and the exponentials
+#: are ``exp2``, the GPU's native one. The partial maxima ``m`` are in these units too.
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -204,27 +210,29 @@ def visible_pairs(
 
 
 @triton.jit
-def fresh_softmax(BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """``(m, l, acc)`` of an online softmax that has seen no key yet."""
+def fresh_softmax(BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``(m, l, acc)`` of an online softmax that has seen no key yet; ``l`` is kept per (row,
+    key of a tile) and summed over the keys once, by :func:`store_partial`."""
     m_i = tl.full((BLOCK_ROWS,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
     return m_i, l_i, tl.zeros((BLOCK_ROWS, BLOCK_V), dtype=tl.float32)
 
 
 @triton.jit
-def softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP: tl.constexpr):
-    """Scale, softcap (when ``SOFTCAP``) and mask a tile of scores; one online-softmax step.
-    Returns the weights ``p`` of the tile and the updated ``(m, l)`` and rescaled
-    accumulator."""
-    scores = scores * scale
-    if SOFTCAP:  # softcap tanh(scores / softcap)
+def softmax_step(scores, visible, softcap, m_i, l_i, acc, SOFTCAP: tl.constexpr):
+    """Softcap (when ``SOFTCAP``) and mask a tile of logits in base-2 units (times
+    ``log2(e)``, ``softcap`` too: see :data:`LOG2E`); one online-softmax step. Returns the
+    weights ``p`` of the tile and the updated ``(m, l)`` and rescaled accumulator. ``l``
+    gathers ``p`` element by element: a sum over the keys per tile would cost a reduction
+    across the threads of a row at every tile."""
+    if SOFTCAP:  # c tanh(x / c), the same in base-2 units: (c log2 e) tanh(x log2 e / (c log2 e))
         scores = softcap * (2.0 / (1.0 + tl.exp(-2.0 * scores / softcap)) - 1.0)
     scores = tl.where(visible != 0, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(scores - m_safe[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    return p, m_new, l_i * alpha[:, None] + p, acc * alpha[:, None]
 
 
 @triton.jit
@@ -234,12 +242,12 @@ def store_partial(
 ):  # fmt: skip
     """Write one stream's (m, l, acc) of the rows ``q_rows`` and ``split`` to ``slot``: the
     accumulator's columns ``col0 ..`` of ``acc_width``; (m, l) by the first column block only
-    (every block computes the same)."""
+    (every block computes the same), ``m`` in base-2 units, ``l`` summed over its keys."""
     # computed here, not before the loops: an index live across them would take registers
     index = (q_rows * n_splits + split) * 3 + slot
     first_block = as_mask(row_mask & (col0 == 0))
     tl.store(part_m_ptr + index, m_i, mask=first_block)
-    tl.store(part_l_ptr + index, l_i, mask=first_block)
+    tl.store(part_l_ptr + index, tl.sum(l_i, axis=1), mask=first_block)
     vcols = col0 + tl.arange(0, BLOCK_V)
     acc_ptrs = part_acc_ptr + index[:, None].to(tl.int64) * acc_width + vcols[None, :]
     tl.store(acc_ptrs, acc, mask=row_mask[:, None])
@@ -318,6 +326,8 @@ def attention_kernel(
     q_rows = pid_bh.to(tl.int64) * n_rows + rows  # index into the query-side arrays
     positions = start + rows // group  # query position of each row
     mask_b = mask_ptr + b * stride_mb
+    score_scale = scale * LOG2E  # logits in base-2 units (LOG2E)
+    softcap_2 = softcap * LOG2E
 
     # keys this program reads: its split, cut to what the rows of the block can see
     last_row = tl.minimum(pid_rows * BLOCK_ROWS + BLOCK_ROWS, n_rows) - 1
@@ -343,9 +353,11 @@ def attention_kernel(
     v_codes = v_codes_ptr + b * stride_vcb + kvh * stride_vch
     v_norms = v_norms_ptr + b * stride_vnb + kvh * stride_vnh
     v_x = v_exact_ptr + b * stride_vxb + kvh * stride_vxh
-    mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0)  # <q, mu> (zeros: no mean)
-    q_main_scale = tl.load(q_main_scale_ptr + q_rows, mask=row_mask, other=0.0)
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
+    # <q, mu> (zeros: no mean), and the rows' scales, each times score_scale
+    mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
+    q_main_scale = tl.load(q_main_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
+    qjl_scale = k_qjl_scale * score_scale
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
     tile_lo, slot_lo = aligned_start(main_lo, main_hi, k_cap, BLOCK_S)
     loaded = every_key(BLOCK_S)
     for tile in range(tile_lo, main_hi, BLOCK_S):
@@ -354,7 +366,7 @@ def attention_kernel(
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, k_x, slots, stride_kxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
-            )  # fmt: skip
+            ) * score_scale  # fmt: skip
         else:
             norms = load_norms(k_norms, slots, k_width)
             scores = code_scores(
@@ -369,7 +381,7 @@ def attention_kernel(
                     loaded,
                     BLOCK_ROWS, BLOCK_S, CHUNK,
                 )  # fmt: skip
-                scores += qjl * (rnorms * k_qjl_scale)[None, :]
+                scores += qjl * (rnorms * qjl_scale)[None, :]
             scores += mean[:, None]
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
@@ -379,7 +391,7 @@ def attention_kernel(
         before_band = keys[None, :] <= positions[:, None] - band
         not_band = before_band | (keys[None, :] > positions[:, None]) | (band_k_mode == 0)
         visible = visible * not_band.to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
+        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_2, m_i, l_i, acc, SOFTCAP)
         if v_exact != 0:
             v_tile = exact_values(v_x, slots, stride_vxs, loaded, head_dim, v_col0, BLOCK_V)
             acc = tl.dot(p, v_tile, acc, input_precision="ieee")
@@ -406,9 +418,9 @@ def attention_kernel(
     bv_codes = bv_codes_ptr + b * stride_bvcb + kvh * stride_bvch
     bv_norms = bv_norms_ptr + b * stride_bvnb + kvh * stride_bvnh
     bv_x = bv_exact_ptr + b * stride_bvxb + kvh * stride_bvxh
-    band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0)
-    q_band_scale = tl.load(q_band_scale_ptr + q_rows, mask=row_mask, other=0.0)
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
+    band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
+    q_band_scale = tl.load(q_band_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
     tile_lo, slot_lo = aligned_start(band_lo, band_hi, b_cap, BLOCK_S)
     loaded = every_key(BLOCK_S)
     for tile in range(tile_lo, band_hi, BLOCK_S):
@@ -424,14 +436,14 @@ def attention_kernel(
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
-            )  # fmt: skip
+            ) * score_scale  # fmt: skip
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
         after_band_start = keys[None, :] > positions[:, None] - band
         visible = visible * (after_band_start & (keys[None, :] <= positions[:, None])).to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
+        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_2, m_i, l_i, acc, SOFTCAP)
         if BAND_VALUE_CODES:
             v_norms_tile = load_norms(bv_norms, slots, bv_width)
             centroids = code_values(
@@ -453,19 +465,19 @@ def attention_kernel(
     sink_hi = tl.minimum(k_end, n_sink)
     sink_k = sink_k_ptr + b * stride_skb + kvh * stride_skh
     sink_v = sink_v_ptr + b * stride_svb + kvh * stride_svh
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_V)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
     for tile in range(k_begin, sink_hi, BLOCK_S):
         keys = tile + tl.arange(0, BLOCK_S)
         in_range = keys < sink_hi
         scores = exact_scores(
             q_raw_ptr, q_rows, row_mask, head_dim, sink_k, keys, stride_sks, in_range,
             BLOCK_ROWS, BLOCK_S, CHUNK,
-        )  # fmt: skip
+        ) * score_scale  # fmt: skip
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
-        p, m_i, l_i, acc = softmax_step(scores, visible, scale, softcap, m_i, l_i, acc, SOFTCAP)
+        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_2, m_i, l_i, acc, SOFTCAP)
         v_tile = exact_values(
             sink_v, keys % sv_cap, stride_svs, in_range, head_dim, v_col0, BLOCK_V
         )
@@ -487,8 +499,8 @@ def reduce_kernel(
     BLOCK: tl.constexpr,
 ):
     """Merge the splits and streams of one row, BLOCK columns of one slot per program:
-    ``out_t = sum_s w_st acc_st / sum_st w_st l_st`` with ``w_st = e^(m_st - M)``; zeros for a
-    row that saw no key."""
+    ``out_t = sum_s w_st acc_st / sum_st w_st l_st`` with ``w_st = 2^(m_st - M)`` (the maxima
+    are in base-2 units, :data:`LOG2E`); zeros for a row that saw no key."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -502,12 +514,12 @@ def reduce_kernel(
 
     total = 0.0
     for s in range(0, parts):
-        weight = tl.exp(tl.load(part_m_ptr + row * parts + s) - m_safe)
+        weight = tl.exp2(tl.load(part_m_ptr + row * parts + s) - m_safe)
         total += weight * tl.load(part_l_ptr + row * parts + s)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in range(0, n_splits):
         s = split * 3 + slot
-        weight = tl.exp(tl.load(part_m_ptr + row * parts + s) - m_safe)
+        weight = tl.exp2(tl.load(part_m_ptr + row * parts + s) - m_safe)
         part = tl.load(part_acc_ptr + (row * parts + s) * width + cols, mask=col_mask, other=0.0)
         acc += weight * part
     out = tl.where(total > 0.0, acc / tl.maximum(total, 1e-30), 0.0)
