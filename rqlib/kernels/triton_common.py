@@ -49,8 +49,16 @@ def group_loads(bits, dim, chunk):
     codes held in at most 32 bits or in one 64-bit word. Widths of 5 to 7 bits would join a
     64-bit word from bytes, which the compile counts as more instructions than
     :func:`load_codes`; rows that end in a part group (a rotor's padded dimension) made the
-    kernel spill."""
-    return (bits > 0) & ((bits <= 4) | (bits == 8)) & (dim % 8 == 0) & (chunk % 8 == 0)
+    kernel spill. 3-bit rows are read as aligned 32-bit words, so they must be a whole number
+    of words (``dim`` a multiple of 32)."""
+    # one expression: a local variable would make the result a run-time value, not a constant
+    return (
+        (bits > 0)
+        & ((bits <= 4) | (bits == 8))
+        & (dim % 8 == 0)
+        & ((bits != 3) | (dim % 32 == 0))
+        & (chunk % 8 == 0)
+    )
 
 
 @triton.jit
@@ -58,10 +66,11 @@ def load_code_words(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl.
                     CHUNK: tl.constexpr):  # fmt: skip
     """The words of eight codes that hold codes ``col0 .. col0 + CHUNK - 1`` of the packed rows
     ``row_ptrs`` ([ROWS, 1]), ``[ROWS, CHUNK // 8]``, unsigned (32 bits for ``bits <= 4``, else
-    64): eight codes fill ``bits`` bytes, one aligned load of them when ``bits`` divides 8,
-    else ``bits`` byte loads joined into a word. Code ``i`` of a group lies at bits ``i * bits
-    ..`` of its word. For the layouts :func:`group_loads` accepts (``col0`` a multiple of 8;
-    rows of whole groups keep every group aligned to its size); words past the row are 0."""
+    64): eight codes fill ``bits`` bytes, one aligned load of them when ``bits`` divides 8;
+    3-bit groups (24 bits at stream bit ``24 g``) from the one or two aligned 32-bit words
+    they lie in. Code ``i`` of a group lies at bits ``i * bits ..`` of its word. For the
+    layouts :func:`group_loads` accepts (``col0`` a multiple of 8; rows of whole groups keep
+    every group aligned to its size); words past the row are 0."""
     GROUPS: tl.constexpr = CHUNK // 8
     WORD: tl.constexpr = tl.uint32 if bits <= 4 else tl.uint64
     group = col0 // 8 + tl.arange(0, GROUPS)
@@ -71,16 +80,16 @@ def load_code_words(row_ptrs, col0, key_mask, bits: tl.constexpr, row_bytes: tl.
             mask=key_mask[:, None] & (group < row_bytes // bits)[None, :],
             other=0,
         ).to(WORD)
-    else:
-        lane = tl.arange(0, 4)  # 3 bytes a group
-        byte = group[:, None] * bits + lane[None, :]
-        in_row = (lane < bits)[None, :] & (byte < row_bytes)
-        parts = tl.load(
-            row_ptrs[:, :, None] + byte[None, :, :],
-            mask=key_mask[:, None, None] & in_row[None, :, :],
-            other=0,
-        ).to(WORD)
-        words = tl.sum(parts << (lane * 8).to(WORD)[None, None, :], axis=2)
+    else:  # 3 bits: group g is stream bits 24 g .., in one or two aligned 32-bit words
+        bit = group * 24
+        word = bit >> 5
+        shift = (bit & 31).to(tl.uint32)
+        word_ptrs = row_ptrs.to(tl.pointer_type(tl.uint32)) + word[None, :]
+        in_row = key_mask[:, None] & (group < row_bytes // 3)[None, :]
+        low = tl.load(word_ptrs, mask=in_row, other=0)
+        straddles = in_row & (shift > 8)[None, :]
+        high = tl.load(word_ptrs + 1, mask=straddles, other=0)
+        words = ((low >> shift[None, :]) | (high << ((32 - shift) & 31)[None, :])) & 0xFFFFFF
     return words
 
 
