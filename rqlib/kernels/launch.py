@@ -182,7 +182,7 @@ def _check_tiles(stream, name: str) -> None:
             )
         for buffer in ("norms", "rnorms"):
             if buffer in ring.buffers:
-                need = ring.capacity * ring.norm_width // 8 + store.NORM_TAIL
+                need = store.norm_stream_bytes(ring.capacity, ring.norm_width)
                 if ring.buffers[buffer].shape[-1] < need:
                     raise ValueError(
                         f"the {name} ring's {buffer} stream has "

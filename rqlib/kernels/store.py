@@ -47,17 +47,23 @@ from rqlib.core.packing import norm_fields, norm_table, unpack_fields, write_fie
 from rqlib.core.quantizers import CompressedVectors
 from rqlib.kernels.limits import RING_GRANULE
 
-__all__ = ["GRANULE", "NORM_TAIL", "VectorRing", "round_capacity"]
+__all__ = ["NORM_TAIL", "VectorRing", "norm_stream_bytes", "round_capacity"]
 
-GRANULE = RING_GRANULE  # capacities are multiples of this (64) many slots
 NORM_TAIL = 2  # spare bytes after a norm stream: a field is read as 3 bytes from its first
 DECODED_DTYPE = torch.float32  # the dtype of a decoded copy (the attention's dtype on CPU)
 DECODED = ("decoded", "norm_values")  # its buffers
 
 
 def round_capacity(n: int) -> int:
-    """The smallest capacity >= ``n`` (and >= :data:`GRANULE`) that is a multiple of it."""
-    return max(GRANULE, -(-n // GRANULE) * GRANULE)
+    """The smallest capacity >= ``n`` (and >= ``limits.RING_GRANULE``) that is a multiple of
+    ``RING_GRANULE``."""
+    return max(RING_GRANULE, -(-n // RING_GRANULE) * RING_GRANULE)
+
+
+def norm_stream_bytes(capacity: int, width: int) -> int:
+    """Bytes of a norm stream of ``capacity`` fields of ``width`` bits and its
+    :data:`NORM_TAIL` spare bytes."""
+    return capacity * width // 8 + NORM_TAIL
 
 
 def _runs(start: int, stop: int, capacity: int) -> list[tuple[int, int, int]]:
@@ -117,7 +123,7 @@ class VectorRing:
         if not self.packed:
             return {"exact": ((*lead, capacity, self.dim), self.dtype)}
         qz = self.quantizer
-        stream_bytes = capacity * self.norm_width // 8 + NORM_TAIL
+        stream_bytes = norm_stream_bytes(capacity, self.norm_width)
         shapes = {"norms": ((*lead, stream_bytes), torch.uint8)}
         if qz.mse_bits:
             code_bytes = (qz.rotated_dim * qz.mse_bits + 7) // 8

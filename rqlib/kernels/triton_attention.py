@@ -327,7 +327,7 @@ def attention_kernel(
     positions = start + rows // group  # query position of each row
     mask_b = mask_ptr + b * stride_mb
     score_scale = scale * LOG2E  # logits in base-2 units (LOG2E)
-    softcap_2 = softcap * LOG2E
+    softcap_base2 = softcap * LOG2E
 
     # keys this program reads: its split, cut to what the rows of the block can see
     last_row = tl.minimum(pid_rows * BLOCK_ROWS + BLOCK_ROWS, n_rows) - 1
@@ -391,7 +391,7 @@ def attention_kernel(
         before_band = keys[None, :] <= positions[:, None] - band
         not_band = before_band | (keys[None, :] > positions[:, None]) | (band_k_mode == 0)
         visible = visible * not_band.to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_2, m_i, l_i, acc, SOFTCAP)
+        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
         if v_exact != 0:
             v_tile = exact_values(v_x, slots, stride_vxs, loaded, head_dim, v_col0, BLOCK_V)
             acc = tl.dot(p, v_tile, acc, input_precision="ieee")
@@ -443,7 +443,7 @@ def attention_kernel(
         )  # fmt: skip
         after_band_start = keys[None, :] > positions[:, None] - band
         visible = visible * (after_band_start & (keys[None, :] <= positions[:, None])).to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_2, m_i, l_i, acc, SOFTCAP)
+        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
         if BAND_VALUE_CODES:
             v_norms_tile = load_norms(bv_norms, slots, bv_width)
             centroids = code_values(
@@ -477,7 +477,7 @@ def attention_kernel(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
-        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_2, m_i, l_i, acc, SOFTCAP)
+        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
         v_tile = exact_values(
             sink_v, keys % sv_cap, stride_svs, in_range, head_dim, v_col0, BLOCK_V
         )

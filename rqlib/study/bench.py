@@ -320,8 +320,6 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     rows = []
     try:
         for block_s, chunk, index in TILE_CANDIDATES:
-            if geo.RING_GRANULE % block_s:
-                raise ValueError(f"key tiles of {block_s} do not divide the rings' capacities")
             config = defaults[2][index]
             geo.ATTENTION_BLOCK_S, geo.ATTENTION_CONFIGS = block_s, (config,)
             geo.ATTENTION_CHUNKS = {b: chunk or defaults[1][b] for b in defaults[1]}
