@@ -38,6 +38,39 @@ def test_the_attention_check_sees_a_kernel_off_by_a_part_in_ten_thousand(monkeyp
     assert attention["prompt"] > bound and attention["decode"] > bound
 
 
+def test_the_lanes_check_passes_and_sees_one_lane_off(monkeypatch, rng):
+    """A decode step in 1, 2 and 4 lanes agrees with the float64 reference; a kernel whose
+    4-lane output is off by a part in ten thousand fails the check."""
+    seed = int(torch.randint(0, 1000, (1,), generator=rng))
+    found = kernel_checks.lanes_check(64, 3, 2, 3, seed, "cpu")
+    bound = kernel_checks.tolerance("cpu")
+    assert all(found[lanes] <= bound for lanes in (1, 2, 4))
+    assert found["spread"] <= bound and found["default"] == 4
+    real = kernels.attention
+
+    def off_in_four_lanes(*args, **kwargs):
+        return real(*args, **kwargs) * (1 + 1e-4 * (kwargs.get("lanes") == 4))
+
+    monkeypatch.setattr(kernels, "attention", off_in_four_lanes)
+    found = kernel_checks.lanes_check(64, 3, 2, 3, seed, "cpu")
+    assert found[4] > bound and found["spread"] > bound and found[1] <= bound
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 4])
+def test_the_lane_map_keeps_the_columns_of_each_lane(lanes):
+    """Row i of a tile keeps (own_lane) and weights back (spread_lane) exactly the columns of
+    its lane, the keys lane_range gives it (the masks read these): lane i % lanes."""
+    found = kernel_checks.lane_map(lanes, "cpu")
+    read, keys = found["read"], found["keys"]
+    width = read.shape[1] // lanes
+    for i, row in enumerate(read):
+        lane = i % lanes
+        columns = torch.arange(lane * width, (lane + 1) * width)
+        assert torch.equal(keys[i], columns.int())
+        assert torch.equal(torch.nonzero(row).flatten(), columns)
+        assert torch.equal(row[columns], columns.int() + 1)
+
+
 def test_benchmark_arguments_are_the_cli_defaults_with_the_chapter_values():
     parser = argparse.ArgumentParser()
     COMMANDS["bench"][0](parser)

@@ -14,6 +14,8 @@ shows that it fails.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rqlib.book import sass
@@ -95,19 +97,22 @@ def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     assert by_class["tensor-core products (HMMA)"] == pytest.approx(hmma * count.warps / count.keys)
 
 
-def test_a_decode_step_in_the_presets_format_runs_four_warps_on_tensor_cores():
-    """At head dimensions 64 and 128, the presets' format (3-bit keys, 2-bit values, a band of
-    8-bit codes, 11-bit norms) fits four warps with the scores on tensor cores without spilling,
-    on sm_80 and sm_90 (at sm_90 with the values' centroids read in pairs too); so the count
-    is of such a configuration, the first that fits."""
+def test_a_decode_step_in_the_presets_format_runs_two_warps_on_tensor_cores():
+    """At head dimensions 64 and 128, a decode step in the presets' format (3-bit keys, 2-bit
+    values, a band of 8-bit codes, 11-bit norms) of a group of 4 query heads fits the first
+    configuration, two warps with the scores on tensor cores and the values' centroids in
+    pairs, in 4 lanes, without spilling, on sm_80 and sm_90; and it issues fewer instructions
+    per key than in one lane, where the first configuration that fits has more warps."""
     for arch in (80, 90):
         for head_dim in (64, 128):
-            count = sass.compile_decode_path(arch, head_dim, 3, 2, 11)
+            count = sass.compile_decode_path(arch, head_dim, 3, 2, 11, rows=4)
             config = geo.ATTENTION_CONFIGS[count.config]
-            assert config.score_tensor_cores and count.score_tensor_cores, (arch, head_dim)
-            assert count.warps == config.num_warps == 4
-            if arch == 90:
-                assert count.config == 0 and config.value_pairs, head_dim
+            assert count.config == 0 and count.lanes == 4, (arch, head_dim)
+            assert config.score_tensor_cores and count.score_tensor_cores and config.value_pairs
+            assert count.warps == config.num_warps == 2
+    one_lane = sass.compile_decode_path(90, 128, 3, 2, 11, rows=16)
+    assert one_lane.lanes == 1 and one_lane.warps > count.warps
+    assert count.warp_instructions_per_key < one_lane.warp_instructions_per_key
 
 
 def test_issue_budget():
@@ -123,6 +128,10 @@ def test_issue_summary_of_a_known_count():
     count = sass.IssueCount({"FFMA": 320, "IMAD": 160, "LDG": 160}, keys=16, warps=8, trips=1)
     hardware = dict(hbm_gbs=2000, sm_count=132, clock_ghz=2)
     summary = sass.issue_summary(count, 100, 500, rows=4, head_dim=128, **hardware)
+    in_lanes = sass.issue_summary(
+        dataclasses.replace(count, lanes=2), 100, 500, rows=4, head_dim=128, **hardware
+    )
+    assert in_lanes["padding_share"] == 0.5 * 8 / 16  # 4 rows twice: 8 of 16 rows hold none
     assert summary["per_key"] == 320
     assert summary["budget_packed"] == pytest.approx(52.8)  # see test_issue_budget
     assert summary["budget_fp16"] == pytest.approx(5 * 52.8)

@@ -27,33 +27,28 @@ REQUIRED_ARCHS = {"sm_80", "sm_90"}
 #: runs. The attention kernel compiles each layer format, selects its mask and softcap
 #: without branches, cuts accumulators at 256 columns (128 when a block of 256 would mask
 #: columns), is not software-pipelined and may take 255 registers a thread (see
-#: rqlib.kernels.triton_attention); each format is compiled in every configuration of
-#: limits.ATTENTION_CONFIGS and a launch runs only those that do not spill (the fastest measured:
-#: launch.attention_config), so a format fails this test when it spills in all of them. The other
-#: kernels have one configuration: a spill in any of their specializations fails it.
+#: rqlib.kernels.triton_attention); each format and lanes is compiled in the configurations of
+#: limits.ATTENTION_CONFIGS in order until one does not spill, and a launch runs only
+#: configurations that do not spill (the fastest measured: launch.attention_config), so a format
+#: fails this test when it spills in all of them. The other kernels have one configuration: a
+#: spill in any of their specializations fails it.
 SPILLING: set[str] = set()
-#: head dims at which the presets' format must fit four warps with the scores on tensor cores
-#: (at sm_90 with the values' centroids read in pairs: the first configuration)
+#: head dims at which the presets' format must run a decode step (4 lanes) in two warps with
+#: the scores on tensor cores (the first configuration), and a prompt (1 lane) on tensor cores
 TENSOR_CORE_HEAD_DIMS = (64, 128)
 
 
-def layout_key(layout: dict, dtype: str) -> str:
-    """A name for an attention layout and exact dtype, the same in every configuration."""
-    return aot.attention_specialization(layout, dtype).label
-
-
 def settled_configurations(records: list[dict]) -> dict[tuple[str, str], int | None]:
-    """``(layout_key, arch) -> the index of the first configuration that compiled without
-    spilling`` (``None``: every one spilled) for every layout of ``aot.attention_layouts``."""
+    """``(group, arch) -> the index in limits.ATTENTION_CONFIGS of the first configuration
+    that compiled without spilling`` (``None``: every one spilled) for every group of
+    ``aot.attention_groups``, a group named by the label of its first configuration."""
     stacks = {(r["kernel"], r["arch"]): r.get("stack", 0) for r in records}
     archs = {r["arch"] for r in records}
     settled = {}
-    for (layout, dtype), arch in itertools.product(aot.attention_layouts(), archs):
-        labels = [
-            aot.attention_specialization(layout, dtype, c).label for c in geo.ATTENTION_CONFIGS
-        ]
-        fits = [i for i, label in enumerate(labels) if stacks[(label, arch)] == 0]
-        settled[(layout_key(layout, dtype), arch)] = fits[0] if fits else None
+    for group, arch in itertools.product(aot.attention_groups(), archs):
+        compiled = [stacks.get((spec.label, arch)) for spec in group]
+        fits = [i for i, stack in enumerate(compiled) if stack == 0]
+        settled[(group[0].label, arch)] = fits[0] if fits else None
     return settled
 
 
@@ -64,15 +59,15 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     # One process per arch: compilation is single-threaded and CI has two cores.
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "rqlib.kernels.aot", str(arch)],
+            [sys.executable, "-m", "rqlib.kernels.aot", arch.removeprefix("sm_")],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for arch in supported_archs_in_subprocess(env)
+        for arch in sorted(REQUIRED_ARCHS)
     ]
-    outputs = [process.communicate(timeout=900) for process in processes]
+    outputs = [process.communicate(timeout=1500) for process in processes]
     stdout = "".join(out for out, _ in outputs)
     stderr = "".join(err for _, err in outputs)
     returncode = max(process.returncode for process in processes)
@@ -87,16 +82,23 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     assert not failed, failed
     assert returncode == 0, stderr[-4000:]
     archs = {r["arch"] for r in records}
-    assert REQUIRED_ARCHS <= archs
-    compiled = {(r["kernel"], r["arch"]) for r in records}
-    expected = {(s.label, arch) for s in specializations() for arch in archs}
-    assert compiled == expected
+    assert archs == REQUIRED_ARCHS
     assert all("regs" in r for r in records), "cuobjdump reported no register count"
-    others = [r for r in records if not r["kernel"].startswith("attention_kernel")]
+    others = [r for r in records if "group" not in r]
+    kernels = {s.label for s in specializations() if s.kernel != "attention_kernel"}
+    assert {(r["kernel"], r["arch"]) for r in others} == set(itertools.product(kernels, archs))
     spilling = {r["kernel"].split("[")[0] for r in others if r.get("stack", 0) > 0}
     assert spilling == SPILLING, f"kernels that spill: {spilling}, expected {SPILLING}"
     assert all(0 < r["occupancy"] <= 1 for r in records)
+    # each group of configurations was compiled in order, up to the first that does not spill
     settled = settled_configurations(records)
+    for group, arch in itertools.product(aot.attention_groups(), archs):
+        last = settled[(group[0].label, arch)]
+        expected = [spec.label for spec in group[: len(group) if last is None else last + 1]]
+        compiled = [
+            r["kernel"] for r in records if r["arch"] == arch and r.get("group") == group[0].label
+        ]
+        assert compiled == expected, (group[0].label, arch)
     print(f"{'arch':<7} {'configuration':>13}  attention layout")
     for (layout, arch), index in sorted(settled.items(), key=lambda item: item[0][::-1]):
         print(f"{arch:<7} {index!s:>13}  {layout}")
@@ -105,10 +107,11 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     for d, dtype, arch in itertools.product(
         TENSOR_CORE_HEAD_DIMS, aot.TRITON_DTYPES.values(), REQUIRED_ARCHS
     ):
-        layout = layout_key(decode_layout(d, 3, 2, 11), dtype)
-        config = geo.ATTENTION_CONFIGS[settled[(layout, arch)]]
-        assert config.score_tensor_cores and config.num_warps == 4, (layout, arch)
-        assert arch != "sm_90" or settled[(layout, arch)] == 0, (layout, arch)
+        layout = decode_layout(d, 3, 2, 11)
+        decode = settled[(aot.attention_specialization(layout, dtype, lanes=4).label, arch)]
+        assert decode == 0, (d, dtype, arch, "decode", decode)
+        prompt = settled[(aot.attention_specialization(layout, dtype, lanes=1).label, arch)]
+        assert geo.ATTENTION_CONFIGS[prompt].score_tensor_cores, (d, dtype, arch, "prompt")
 
 
 @pytest.mark.parametrize(
@@ -129,12 +132,3 @@ def test_occupancy_follows_the_cuda_rules(regs, shared, warps, arch, blocks, lim
     result = occupancy(regs, shared, warps, arch)
     assert (result["blocks"], result["limit"]) == (blocks, limit)
     assert result["occupancy"] == blocks * warps / SM_LIMITS[arch]["warps"]
-
-
-def supported_archs_in_subprocess(env: dict) -> list[int]:
-    """The archs this triton can target (asked without the interpreter)."""
-    code = "from rqlib.kernels.aot import supported_archs; print(*supported_archs())"
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    return [int(arch) for arch in result.stdout.split()]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import warnings
 
 import pytest
@@ -40,7 +41,7 @@ from rqlib.kernels import aot, launch, numerics, reference
 from rqlib.kernels import limits as geo
 from rqlib.kernels.state import CausalMask, DenseMask
 from rqlib.kernels.store import NORM_TAIL, round_capacity
-from rqlib.kernels.triton_attention import aligned_start, ring_tile
+from rqlib.kernels.triton_attention import aligned_start, lane_range, ring_tile
 
 pytestmark = pytest.mark.interpreter
 
@@ -250,9 +251,9 @@ def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> Non
             for c in geo.ATTENTION_CONFIGS
             if c.num_warps == keywords["num_warps"] and c.constexprs().items() <= constexprs.items()
         )
-        tiles = {*aot.ATTENTION_TILE, "BLOCK_V", "CHUNK", *config.constexprs()}
+        tiles = {*aot.ATTENTION_TILE, "BLOCK_V", "CHUNK", "LANES", *config.constexprs()}
         layout = {k: v for k, v in constexprs.items() if k not in tiles}
-        expected = aot.attention_specialization(layout, dtype, config)
+        expected = aot.attention_specialization(layout, dtype, config, constexprs["LANES"])
         assert constexprs == expected.constexprs
         for name in (*aot.ATTENTION_CODEBOOKS, *aot.ATTENTION_SCORE_TABLES):
             assert aot.POINTER_DTYPES[arguments[name].dtype] == expected.pointers[name], name
@@ -342,28 +343,35 @@ def test_a_state_the_kernel_cannot_serve_is_refused(rng):
 
 
 @triton.jit
-def walk_ring_kernel(out_ptr, lo, hi, capacity, BLOCK_S: tl.constexpr):
+def walk_ring_kernel(out_ptr, lo, hi, capacity, BLOCK_S: tl.constexpr, LANES: tl.constexpr):
     """Write ``(key, slot, read)`` for every key of every tile of the attention kernel's loop
-    over keys ``lo .. hi - 1`` of a ring of ``capacity`` slots, in the order it walks them."""
+    over keys ``lo .. hi - 1`` of a ring of ``capacity`` slots, in the order it walks them: the
+    keys each lane reads (``lane_range``) against the slots of the tile's columns they are read
+    from (``ring_tile``; lane ``l`` reads columns ``l * LANE_KEYS ..``, see ``own_lane``)."""
+    LANE_KEYS: tl.constexpr = BLOCK_S // LANES
+    lane = tl.arange(0, LANES)
     tile_lo, slot_lo = aligned_start(lo, hi, capacity, BLOCK_S)
     row = 0
     for tile in range(tile_lo, hi, BLOCK_S):
-        keys, in_range, slots, slot_lo = ring_tile(tile, slot_lo, lo, hi, capacity, BLOCK_S)
-        at = (row + tl.arange(0, BLOCK_S)) * 3
+        slots, slot_lo = ring_tile(tile, slot_lo, capacity, BLOCK_S)
+        keys, in_range = lane_range(tile, lane, lo, hi, LANE_KEYS)
+        columns = lane[:, None] * LANE_KEYS + tl.arange(0, LANE_KEYS)[None, :]
+        at = (row + columns) * 3
         tl.store(out_ptr + at, keys)
-        tl.store(out_ptr + at + 1, slots)
+        tl.store(out_ptr + (row + tl.arange(0, BLOCK_S)) * 3 + 1, slots)
         tl.store(out_ptr + at + 2, in_range.to(tl.int32))
         row += BLOCK_S
 
 
-def ring_walk_errors(lo: int, hi: int, capacity: int) -> list[str]:
-    """What is wrong with the kernel's walk over keys ``lo .. hi - 1`` of a ring: a key read
-    twice, missed or out of order, a slot outside the ring or not ``key % capacity``, a tile
-    that does not start on a multiple of the tile size, a tile with nothing to read."""
+def ring_walk_errors(lo: int, hi: int, capacity: int, lanes: int = 1) -> list[str]:
+    """What is wrong with the kernel's walk over keys ``lo .. hi - 1`` of a ring in ``lanes``
+    lanes: a key read twice, missed or out of order, a slot outside the ring or not
+    ``key % capacity``, a tile that does not start on a multiple of the tile size, a tile
+    with nothing to read."""
     block = geo.ATTENTION_BLOCK_S
     rows = (max(hi - lo, 0) // block + 2) * block
     out = torch.full((rows, 3), -1, dtype=torch.int32)
-    walk_ring_kernel[(1,)](out, lo, hi, capacity, BLOCK_S=block)
+    walk_ring_kernel[(1,)](out, lo, hi, capacity, BLOCK_S=block, LANES=lanes)
     walked = out[out[:, 0] >= 0]
     keys, slots, read = walked[:, 0], walked[:, 1], walked[:, 2].bool()
     errors = []
@@ -382,9 +390,10 @@ def ring_walk_errors(lo: int, hi: int, capacity: int) -> list[str]:
 
 def test_the_kernel_walks_each_ring_key_once_in_its_slot_and_never_past_the_ring(rng):
     """The loops of the attention kernel read whole tiles of a ring without masks, so every key
-    of every tile must lie inside the ring, in slot ``key % capacity``, and the keys it reads
-    must be exactly the loop's range. Checked on random ranges (up to a full ring, crossing
-    its end, empty), and rejecting a ring whose capacity is not a multiple of the tile."""
+    of every tile must lie inside the ring, in slot ``key % capacity``, and the keys it reads,
+    over all lanes, must be exactly the loop's range. Checked on random ranges (up to a full
+    ring, crossing its end, empty) in 1, 2 and 4 lanes, and rejecting a ring whose capacity is
+    not a multiple of the tile."""
     block = geo.ATTENTION_BLOCK_S
     cases = [(5, 5, block), (9, 3, block), (0, block, block)]
     for _ in range(40):
@@ -392,8 +401,8 @@ def test_the_kernel_walks_each_ring_key_once_in_its_slot_and_never_past_the_ring
         lo = int(torch.randint(0, 10 * capacity, (1,), generator=rng))
         length = int(torch.randint(0, capacity + 1, (1,), generator=rng))
         cases.append((lo, lo + length, capacity))
-    for lo, hi, capacity in cases:
-        assert ring_walk_errors(lo, hi, capacity) == [], (lo, hi, capacity)
+    for (lo, hi, capacity), lanes in itertools.product(cases, aot.LANES):
+        assert ring_walk_errors(lo, hi, capacity, lanes) == [], (lo, hi, capacity, lanes)
     # the check can fail: with 24 slots (not a multiple of 16) a tile crosses the ring's end
     assert any("outside the ring" in e for e in ring_walk_errors(20, 40, block + 8))
 
@@ -444,7 +453,7 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
     calls = []
     original = launch.attention
     monkeypatch.setattr(
-        launch, "attention", lambda *a: calls.append(a[-1]) or original(*a), raising=True
+        launch, "attention", lambda *a: calls.append(a[5]) or original(*a), raising=True
     )
     got = kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=16)
     assert calls == [16]
@@ -452,6 +461,9 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
     for bad in (0, -16, 10, 16.0, True):
         with pytest.raises(ValueError, match="partition must be a positive multiple of 16"):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)
+    for bad in (0, 3, 8, 2.0, True):
+        with pytest.raises(ValueError, match="lanes must be a power of two up to 4"):
+            kernels.attention(state, q, mask, scale=0.1, backend="triton", lanes=bad)
 
 
 @pytest.mark.parametrize("index", range(len(geo.ATTENTION_CONFIGS)))

@@ -55,8 +55,9 @@ def test_gpu_code_path_runs_on_cpu(monkeypatch, capsys):
     by_name = {name: nbytes for name, _, nbytes, _ in timings}
     assert by_name["SDPA fp16"] == 2 * 48 * 64 * 2
     stored = 48 * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
-    # (written + read) x 2 heads x 1 split x 3 streams x (m, l, 64 accumulators)
-    partials = 2 * 2 * 1 * 3 * (2 + 64) * 4
+    # (written + read) x 2 heads x 4 lanes x 1 split x ((m, l) of 3 streams + 64 accumulators
+    # of the main stream): the layer has no band and no sink
+    partials = 2 * 2 * 4 * 1 * (3 * 2 + 64) * 4
     assert by_name["attention K, V packed"] == stored + partials
     assert "bit-identical to torch: True" in capsys.readouterr().out
     rows = bench.sweep_tiles(args, 40, key_qz, value_qz, 0.125, torch.device("cpu"))

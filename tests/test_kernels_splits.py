@@ -22,24 +22,36 @@ from rqlib.kernels import limits as geo
 
 # Llama-3-8B, 3-bit keys and values: a vector is 128 * 3 code bits + an 11-bit norm
 KEY_BYTES = 2 * (128 * 3 + 11) / 8  # 98.75 bytes of K and V per key position and KV head
-PARTIAL = 2 * 4 * 3 * (2 + 128) * 4  # 4 rows of 3 streams' (m, l, 128 accumulators), written + read
+# a decode step of 4 rows in 4 lanes: per row and lane, (m, l) of 3 streams and the main
+# stream's 128 accumulators, written + read
+PARTIAL = 2 * 4 * 4 * (3 * 2 + 128) * 4
 
 
 def test_partial_bytes_by_hand():
-    assert geo.partial_bytes(4, 128) == PARTIAL == 12480
+    assert geo.lanes(4) == 4
+    assert geo.partial_bytes(4, 128, 4) == PARTIAL == 17152
+    assert geo.partial_bytes(16, 128) == 2 * 16 * (3 * 2 + 128) * 4  # a prompt: one lane
+    assert geo.stream_partial_bytes(4, 128, 4) == 2 * 4 * 4 * 128 * 4  # the band's, or the sink's
 
 
-# the shortest split: PARTIAL / (0.25 * KEY_BYTES) = 12480 / 24.6875 = 505.5 keys
+def test_a_block_of_few_rows_fills_the_tile_with_lanes():
+    assert [geo.lanes(rows) for rows in range(1, 18)] == [4] * 4 + [2] * 4 + [1] * 9
+    assert max(geo.lanes(rows) * rows for rows in range(1, 17)) <= geo.BLOCK_ROWS
+    with pytest.raises(ValueError, match="at least one row"):
+        geo.lanes(0)
+
+
+# the shortest split: PARTIAL / (0.25 * KEY_BYTES) = 17152 / 24.6875 = 694.8 keys
 
 
 @pytest.mark.parametrize(
     ("span", "programs", "expected"),
     [
         # batch 1 x 8 KV heads: 2 waves of 132 SMs want ceil(264 / 8) = 33 splits; 32768 keys
-        # allow floor(32768 / 505.5) = 64, so 33 splits of ceil(32768 / 33 / 16) * 16 = 1008
+        # allow floor(32768 / 694.8) = 47, so 33 splits of ceil(32768 / 33 / 16) * 16 = 1008
         (32768, 8, (33, 1008)),
-        # 4096 keys allow only floor(4096 / 505.5) = 8 splits: 8 of 512
-        (4096, 8, (8, 512)),
+        # 4096 keys allow only floor(4096 / 694.8) = 5 splits: 5 of ceil(4096 / 5 / 16) * 16 = 832
+        (4096, 8, (5, 832)),
         # batch 8 x 8 KV heads want ceil(264 / 64) = 5 splits: 5 of 6560 keys at 32768
         (32768, 64, (5, 6560)),
         # a short context: one split, however few programs
@@ -96,5 +108,9 @@ def test_the_launch_plans_from_the_layer_bytes_and_the_device_sm_count(rng, monk
     layer.update(keys, values)
     state = layer.state()
     monkeypatch.setattr(launch, "_sm_count", lambda kind, index: 132)
-    assert launch.split_plan(state, 32768, 1, 4, 128, torch.device("cpu"), None) == (33, 1008)
-    assert launch.split_plan(state, 32768, 1, 4, 128, torch.device("cpu"), 512) == (64, 512)
+    cpu = torch.device("cpu")
+    assert launch.split_plan(state, 32768, 1, 4, 4, 128, cpu, None) == (33, 1008)
+    assert launch.split_plan(state, 32768, 1, 4, 4, 128, cpu, 512) == (64, 512)
+    # 4096 keys: the hand plan above; in one lane the partials are 4x smaller and allow more
+    assert launch.split_plan(state, 4096, 1, 4, 4, 128, cpu, None) == (5, 832)
+    assert launch.split_plan(state, 4096, 1, 4, 1, 128, cpu, None) == (22, 192)

@@ -13,7 +13,9 @@ codebook rounded to fp16, :mod:`rqlib.kernels.numerics`), and reports how far th
 the float32 codebook's attention too. :func:`split_dot_check` measures the kernel's tensor-core
 products (``split_dot``) against float64, next to a single fp16 product, and
 :func:`centroid_pairs_check` the centroids the attention kernel reads through a table of
-centroid pairs (``triton_common.code_centroids``) against the codebook. On a CPU every check
+centroid pairs (``triton_common.code_centroids``) against the codebook. :func:`lanes_check` runs
+a decode step with its key tiles cut into 1, 2 and 4 lanes, and :func:`lane_map` draws which
+pairs of a tile each lane reads, from the kernel's own helpers. On a CPU every check
 runs the kernels in the interpreter, which multiplies fp16 inputs exactly, as a tensor core
 does.
 :func:`byte_table` is the byte-count model of ``rqlib.study.bench`` for several key bit widths;
@@ -40,6 +42,7 @@ from rqlib.book.checks import relative_error
 from rqlib.core.packing import pack_bits
 from rqlib.core.quantizers import make_quantizer
 from rqlib.kernels import numerics, reference
+from rqlib.kernels.triton_attention import lane_range, own_lane, spread_lane
 from rqlib.kernels.triton_common import code_centroids, fp16_parts, split_dot
 from rqlib.study import bench
 
@@ -54,6 +57,10 @@ __all__ = [
     "centroid_pairs_check",
     "fp16_products",
     "gather_centroids",
+    "lane_map",
+    "lanes_check",
+    "lanes_numbers",
+    "register_report",
     "scores_check",
     "split_dot_bound",
     "split_dot_check",
@@ -150,7 +157,7 @@ def split_examples(
 
     quantizer = make_quantizer("turboquant-mse", head_dim, bits, norm_mantissa_bits=6)
     key_bytes = 2 * quantizer.bits_per_vector / 8  # K and V per key position and KV head
-    partial = geo.partial_bytes(group, geo.accumulator_width(head_dim))
+    partial = geo.partial_bytes(group, geo.accumulator_width(head_dim), geo.lanes(group))
 
     def plan(span: int, sequences: int) -> tuple[int, int]:
         return geo.decode_splits(span, sequences * kv_heads, H100_SMS, partial, key_bytes)
@@ -221,6 +228,23 @@ def scores_check(head_dim: int, bits: int, group: int, seed: int, device: str) -
     }
 
 
+def _check_layer(
+    head_dim: int, bits: int, value_bits: int, seed: int, device: str, generator
+) -> tuple:
+    """``(state, k, v)``: the cache layer of the attention checks (:data:`IRREGULAR` shapes)
+    over Gaussian keys ``k`` and values ``v`` drawn from ``generator``: ``bits``-bit prod keys
+    and ``value_bits``-bit MSE values as packed codes, an exact sink and an exact recent band.
+    Every buffer the kernels write from then on starts as NaN."""
+    _poisoned()
+    s = IRREGULAR
+    key_quantizer = make_quantizer(KEY_METHOD, head_dim, bits, seed=seed)
+    value_quantizer = make_quantizer(VALUE_METHOD, head_dim, value_bits, seed=seed + 1)
+    k = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim) * 2
+    v = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim)
+    layer = bench.decode_layer(key_quantizer, value_quantizer, k, v, s.n_sink, s.n_recent)
+    return layer.state(), k, v
+
+
 def attention_check(
     head_dim: int, bits: int, value_bits: int, group: int, seed: int, device: str
 ) -> dict:
@@ -237,15 +261,10 @@ def attention_check(
 
     from rqlib.kernels.state import CausalMask
 
-    _poisoned()
     s = IRREGULAR
     generator = torch.Generator().manual_seed(seed + 1)
-    key_quantizer = make_quantizer(KEY_METHOD, head_dim, bits, seed=seed)
-    value_quantizer = make_quantizer(VALUE_METHOD, head_dim, value_bits, seed=seed + 1)
-    k = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim) * 2
-    v = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim)
-    layer = bench.decode_layer(key_quantizer, value_quantizer, k, v, s.n_sink, s.n_recent)
-    state, scale = layer.state(), head_dim**-0.5
+    state, k, v = _check_layer(head_dim, bits, value_bits, seed, device, generator)
+    scale = head_dim**-0.5
     errors, seconds = {}, 0.0
     for name, q_len in (("prompt", s.q_len), ("decode", 1)):
         q = _gaussian(generator, device, s.batch, s.kv_heads * group, q_len, head_dim)
@@ -266,6 +285,138 @@ def attention_check(
         uncompressed = _uncompressed(q, k, v, scale)
         errors[f"{name}_compression"] = relative_error(float32_reference, uncompressed)
     return {**errors, "splits": math.ceil(s.decode_kv_len / s.partition), "seconds": seconds}
+
+
+def lanes_check(
+    head_dim: int, bits: int, value_bits: int, group: int, seed: int, device: str
+) -> dict:
+    """One decode step of the layer of :func:`attention_check` (a query token per head, so a
+    block of ``group`` rows) with the key tiles cut into each number of lanes the kernel
+    takes (:func:`rqlib.kernels.limits.lanes` picks one): ``{lanes: error}`` against the
+    float64 reference read with the kernel's codebook, and ``"spread"``, the largest
+    difference between two of them relative to the largest output."""
+    from rqlib.kernels import limits as geo
+    from rqlib.kernels.state import CausalMask
+
+    s = IRREGULAR
+    generator = torch.Generator().manual_seed(seed + 2)
+    state, _, _ = _check_layer(head_dim, bits, value_bits, seed, device, generator)
+    scale = head_dim**-0.5
+    q = _gaussian(generator, device, s.batch, s.kv_heads * group, 1, head_dim)
+    mask = CausalMask(s.batch, state.end - 1, 1, 0, state.end)
+    step = dataclasses.replace(state, start=state.end - 1)
+    expected = reference.attention(
+        numerics.on_kernel_codebook(step), q.double(), mask, scale=scale, dtype=torch.float64
+    )
+    outputs, errors = {}, {}
+    for lanes in range(1, geo.MAX_LANES + 1):
+        if lanes & (lanes - 1):
+            continue
+        outputs[lanes] = kernels.attention(
+            step, q, mask, scale=scale, backend="triton", partition=s.partition, lanes=lanes
+        )
+        errors[lanes] = relative_error(outputs[lanes], expected)
+    spread = max(relative_error(a, b) for a in outputs.values() for b in outputs.values())
+    return {**errors, "spread": spread, "default": geo.lanes(group)}
+
+
+@triton.jit
+def _lane_map_kernel(out_ptr, ROWS: tl.constexpr, KEYS: tl.constexpr, LANES: tl.constexpr):
+    rows, columns = tl.arange(0, ROWS), tl.arange(0, KEYS)
+    lane = rows % LANES
+    every = columns[None, :] + 1 + 0 * rows[:, None]  # [ROWS, KEYS]: each tile column, from 1
+    own = own_lane(every, lane, LANES, KEYS // LANES)
+    keys, _ = lane_range(0, lane, 0, KEYS, KEYS // LANES)
+    tl.store(
+        out_ptr + rows[:, None] * KEYS + columns[None, :],
+        spread_lane(own, lane, LANES, KEYS // LANES),
+    )
+    tl.store(
+        out_ptr
+        + ROWS * KEYS
+        + rows[:, None] * (KEYS // LANES)
+        + tl.arange(0, KEYS // LANES)[None, :],
+        keys,
+    )
+
+
+def lane_map(lanes: int, device: str) -> dict[str, torch.Tensor]:
+    """Which pairs of a key tile (``BLOCK_ROWS`` rows, ``ATTENTION_BLOCK_S`` keys) the
+    attention kernel's softmax reads in ``lanes`` lanes, from its own helpers in one program:
+    ``"read"``, ``[rows, keys]``, the tile column + 1 where ``own_lane`` keeps a score and
+    ``spread_lane`` puts its weight back, 0 where the product is computed and dropped; and
+    ``"keys"``, ``[rows, keys / lanes]``, the keys of a tile starting at key 0 that
+    ``lane_range`` gives each row (the masks read these)."""
+    from rqlib.kernels import limits as geo
+
+    rows, keys = geo.BLOCK_ROWS, geo.ATTENTION_BLOCK_S
+    out = torch.full((rows * keys + rows * keys // lanes,), -1, dtype=torch.int32, device=device)
+    _lane_map_kernel[(1,)](out, rows, keys, lanes)
+    out = out.cpu()
+    read, keys = out[: rows * keys].reshape(rows, keys), out[rows * keys :].reshape(rows, -1)
+    kept = [sorted(int(column) - 1 for column in row if column > 0) for row in read]
+    return {"read": read, "keys": keys, "consistent": kept == keys.tolist()}
+
+
+def lanes_numbers(group: int) -> dict:
+    """What the chapter says of the lanes of a decode step of ``group`` query rows
+    (:func:`rqlib.kernels.limits.lanes`), as glue values: ``lanes_default`` lanes,
+    ``lanes_used_rows`` rows of a tile holding a query, ``lanes_keys`` keys a lane reads of a
+    tile, the blocks of rows that take ``max_lanes`` lanes (``lanes_four_rows`` rows at most)
+    and two (``lanes_two_rows``), and ``lanes_phrase``, every number of lanes a launch takes."""
+    from rqlib.kernels import aot
+    from rqlib.kernels import limits as geo
+
+    lanes = geo.lanes(group)
+    return {
+        "lanes_group": group,
+        "lanes_default": lanes,
+        "lanes_used_rows": min(geo.BLOCK_ROWS, group * lanes),
+        "lanes_keys": geo.ATTENTION_BLOCK_S // lanes,
+        "max_lanes": geo.MAX_LANES,
+        "lanes_four_rows": max(r for r in range(1, geo.BLOCK_ROWS + 1) if geo.lanes(r) == 4),
+        "lanes_two_rows": max(r for r in range(1, geo.BLOCK_ROWS + 1) if geo.lanes(r) == 2),
+        "lanes_phrase": ", ".join(map(str, aot.LANES[:-1])) + f" and {aot.LANES[-1]}",
+    }
+
+
+def register_report(group: int, head_dim: int = 128) -> dict:
+    """Registers and spills of the attention kernel in the presets' format
+    (``sass.decode_layout(head_dim, 3, 2, 11)``) with fp16 exact streams, in its first
+    configuration, compiled for sm_90 (:func:`rqlib.book.ptx.compile_ptx`): a decode step of
+    ``group`` rows in its lanes (``att_regs``, ``att_spill``, ``att_sm80_spill`` at sm_80, the
+    theoretical occupancy ``att_blocks``, ``att_occupancy``, ``att_limit``), the same at head
+    dimension 256 (``att_wide_spill``) and a prompt, in one lane (``att_prompt_spill``); and the
+    configurations (``n_configs``, ``tensor_core_configs``, ``first_config``: warps, scores on
+    tensor cores, value pairs)."""
+    from rqlib.book import ptx, sass
+    from rqlib.kernels import aot
+    from rqlib.kernels import limits as geo
+
+    lanes = geo.lanes(group)
+
+    def spec(d: int, lanes: int):
+        return aot.attention_specialization(sass.decode_layout(d, 3, 2, 11), "fp16", lanes=lanes)
+
+    decode = spec(head_dim, lanes)
+    compiled = ptx.compile_ptx(decode.label, 90)
+    occupancy = aot.occupancy(compiled.registers, compiled.shared_bytes, decode.num_warps, 90)
+    first = geo.ATTENTION_CONFIGS[0]
+    return {
+        "att_regs": compiled.registers,
+        "att_spill": compiled.spill_bytes,
+        "att_sm80_spill": ptx.compile_ptx(decode.label, 80).spill_bytes,
+        "att_wide_spill": ptx.compile_ptx(spec(256, lanes).label, 90).spill_bytes,
+        "att_prompt_spill": ptx.compile_ptx(spec(head_dim, 1).label, 90).spill_bytes,
+        "att_warps": decode.num_warps,
+        "att_lanes": lanes,
+        "att_blocks": occupancy["blocks"],
+        "att_occupancy": occupancy["occupancy"],
+        "att_limit": occupancy["limit"],
+        "n_configs": len(geo.ATTENTION_CONFIGS),
+        "tensor_core_configs": sum(c.score_tensor_cores for c in geo.ATTENTION_CONFIGS),
+        "first_config": (first.num_warps, first.score_tensor_cores, first.value_pairs),
+    }
 
 
 def _uncompressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

@@ -169,7 +169,7 @@ def tile_counts(
 class IssueCount:
     """The opcodes one thread issues for one tile of ``keys`` keys of the main loop (and the
     listing they were counted from), in configuration ``config`` (an index into
-    ``limits.ATTENTION_CONFIGS``)."""
+    ``limits.ATTENTION_CONFIGS``), the tile cut into ``lanes`` lanes."""
 
     per_tile: dict
     keys: int
@@ -177,6 +177,7 @@ class IssueCount:
     trips: int
     instructions: tuple = field(default=(), repr=False)
     config: int = 0
+    lanes: int = 1
 
     @property
     def score_tensor_cores(self) -> bool:
@@ -259,8 +260,9 @@ def issue_summary(
     the ``budget_packed`` and ``budget_fp16`` instructions a GPU issues while its HBM delivers
     ``packed_bytes`` or ``fp16_bytes`` (a key and a value in each format); their ``ratio``
     (count / packed budget); the shares of fp32 multiply-adds, of tensor-core products, of
-    shared memory and barriers, of the multiply-adds spent on rows padded from ``rows`` (the
-    group of a decode step) to the 16 of ``tl.dot``, and of integer arithmetic;
+    shared memory and barriers, of the multiply-adds spent on tile rows that hold no query (the
+    ``rows`` of a decode step, the GQA group, once per lane, padded to the 16 of ``tl.dot``),
+    and of integer arithmetic;
     ``fma_floor``: the warp instructions the multiply-adds of a key's scores would need on CUDA
     cores without any padding (``rows`` scores of ``head_dim`` coordinates, one FFMA each, 32
     lanes a warp); and ``vs_fp16``: the step's issue
@@ -271,7 +273,7 @@ def issue_summary(
     per_key = count.warp_instructions_per_key
     classes = count.by_class()
     fma = classes["fp32 multiply-add (FFMA)"]
-    padded = 1 - min(rows, geo.BLOCK_ROWS) / geo.BLOCK_ROWS
+    padded = 1 - min(rows * count.lanes, geo.BLOCK_ROWS) / geo.BLOCK_ROWS
     budget_packed = issue_budget(packed_bytes, hbm_gbs, sm_count, clock_ghz)
     issue_ns = per_key / issue_rate(sm_count, clock_ghz)
     return {
@@ -306,14 +308,14 @@ def decode_layout(head_dim: int, key_bits: int, value_bits: int, norm_bits: int)
     return {**formats, "SOFTCAP": 0}
 
 
-def _decode_spec(*layout: int, config: int = 0, exact: str = "fp16"):
+def _decode_spec(*layout: int, config: int = 0, exact: str = "fp16", lanes: int = 1):
     """The attention specialization of a decode step of :func:`decode_layout` with ``exact``
-    sink vectors, in ``limits.ATTENTION_CONFIGS[config]``."""
+    sink vectors, in ``limits.ATTENTION_CONFIGS[config]``, its key tiles in ``lanes`` lanes."""
     from rqlib.kernels import aot
     from rqlib.kernels import limits as geo
 
     return aot.attention_specialization(
-        decode_layout(*layout), exact, geo.ATTENTION_CONFIGS[config]
+        decode_layout(*layout), exact, geo.ATTENTION_CONFIGS[config], lanes
     )
 
 
@@ -324,18 +326,23 @@ def compile_decode_path(
     value_bits: int,
     norm_bits: int,
     *,
+    rows: int = 4,
     timeout: float = 300.0,
 ) -> IssueCount:
     """Compile the decode path (:func:`decode_layout`) of ``attention_kernel`` for
-    ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET``, in the first configuration whose
+    ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET``, for a block of ``rows`` query
+    rows (a decode step's GQA group; 4 in Llama-3-8B's geometry) in the lanes a launch cuts its
+    key tiles into (:func:`rqlib.kernels.limits.lanes`), in the first configuration whose
     kernel does not spill (the one a launch prefers), and count one main-loop tile.
 
     Raises ``RuntimeError`` with the end of the compiler's stderr when the compile fails.
     """
     from rqlib.book.ptx import compile_env
+    from rqlib.kernels import limits as geo
 
     env = compile_env()
-    arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits)]
+    lanes = geo.lanes(rows)
+    arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits, lanes)]
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "kernel.sass"
         result = subprocess.run(
@@ -356,20 +363,26 @@ def compile_decode_path(
     instructions = parse_sass(text)
     counts = tile_counts(instructions, trips)
     return IssueCount(
-        dict(counts), usage["keys"], usage["warps"], trips, tuple(instructions), usage["config"]
+        dict(counts),
+        usage["keys"],
+        usage["warps"],
+        trips,
+        tuple(instructions),
+        usage["config"],
+        lanes,
     )
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS OUT``:
+    """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS LANES OUT``:
     write the SASS of the decode path in the configuration a launch settles on, print its tile
     (keys, chunk, warps, configuration) as JSON."""
     from rqlib.kernels import aot
     from rqlib.kernels import limits as geo
 
-    arch, *layout = (int(value) for value in argv[:5])
+    arch, *layout, lanes = (int(value) for value in argv[:6])
     for config in range(len(geo.ATTENTION_CONFIGS)):
-        spec = _decode_spec(*layout, config=config)
+        spec = _decode_spec(*layout, config=config, lanes=lanes)
         compiled = aot.compile_kernel(aot.kernel_objects()[spec.kernel], spec, arch)
         if not aot.resource_usage(compiled.asm["cubin"]).get("stack", 0):
             break
@@ -380,7 +393,7 @@ def _main(argv: list[str]) -> int:
         sass = subprocess.run(
             [str(nvdisasm), "-g", "-c", handle.name], capture_output=True, text=True, check=True
         ).stdout
-    Path(argv[5]).write_text(sass)
+    Path(argv[6]).write_text(sass)
     tile = {"keys": spec.constexprs["BLOCK_S"], "chunk": spec.constexprs["CHUNK"]}
     print(json.dumps({**tile, "warps": spec.num_warps, "config": config}))
     return 0

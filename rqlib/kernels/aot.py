@@ -12,8 +12,9 @@ The kernels must be real ``JITFunction`` objects, so this module refuses to run 
     python -m rqlib.kernels.aot            # one JSON line per (kernel, specialization, arch)
 
 The fused-score, quantize and reduce kernels have every specialization the dispatcher can pick
-listed; the attention kernel compiles one per layer format, an open set, of which
-:func:`attention_layouts` lists a covering one. Triton's JIT also
+listed; the attention kernel compiles one per layer format and lanes (an open set, of which
+:func:`attention_layouts` lists a covering one), each in the configurations of
+``limits.ATTENTION_CONFIGS`` in order until one does not spill. Triton's JIT also
 specializes integer arguments equal to 1 (e.g. q_len = 1 in decode) and pointer/integer
 divisibility by 16 at launch; those variants are the same source with extra hints, and one of
 them (all of group, q_len = 1) is compiled here as a representative.
@@ -58,9 +59,12 @@ class Specialization:
 
     @property
     def label(self) -> str:
+        """A name unique to the compile: constexprs, pointer types, ones and warps (two
+        attention configurations differ in their warps alone)."""
         parts = [f"{k}={v}" for k, v in self.constexprs.items()]
         parts += [f"{k}:{v}" for k, v in self.pointers.items()]
         parts += [f"{k}=1" for k in self.ones]
+        parts.append(f"num_warps={self.num_warps}")
         return f"{self.kernel}[{', '.join(parts)}]"
 
 
@@ -141,12 +145,16 @@ def attention_layouts() -> list[tuple[dict, str]]:
 
 
 def attention_specialization(
-    layout: dict, dtype: str, config: geo.AttentionConfig = geo.ATTENTION_CONFIGS[0]
+    layout: dict,
+    dtype: str,
+    config: geo.AttentionConfig = geo.ATTENTION_CONFIGS[0],
+    lanes: int = 1,
 ) -> Specialization:
     """``attention_kernel`` compiled for the compile-time arguments ``layout`` (a layer's
     :func:`rqlib.kernels.limits.attention_formats` and ``SOFTCAP``) and exact vectors of
-    ``dtype``, in ``config`` (one of :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`), with the
-    tiles and compile options that ``launch.attention`` picks for it."""
+    ``dtype``, in ``config`` (one of :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`), with key
+    tiles cut into ``lanes`` lanes (:func:`rqlib.kernels.limits.lanes`), and the tiles and
+    compile options that ``launch.attention`` picks for it."""
     pointers = {name: "u8" for name in ATTENTION_BYTES}
     pointers.update({name: dtype for name in ATTENTION_EXACT})
     values = POINTER_DTYPES[PAIR_DTYPES[CODEBOOK_DTYPE]] if config.value_pairs else CODEBOOK
@@ -160,6 +168,7 @@ def attention_specialization(
         **ATTENTION_TILE,
         "CHUNK": geo.attention_chunk(block),
         **config.constexprs(),
+        "LANES": lanes,
     }
     return Specialization(
         "attention_kernel",
@@ -171,8 +180,25 @@ def attention_specialization(
     )
 
 
+#: The lanes a launch cuts key tiles into, over every block of 1 .. BLOCK_ROWS rows.
+LANES = tuple(sorted({geo.lanes(rows) for rows in range(1, geo.BLOCK_ROWS + 1)}))
+
+
+def attention_groups() -> list[list[Specialization]]:
+    """For each layout of :func:`attention_layouts` and each of :data:`LANES`, the
+    specializations of every configuration, in ``limits.ATTENTION_CONFIGS``' order of
+    preference: a launch runs the first of a group that does not spill where nothing is
+    timed, and on a GPU the fastest of those that do not (``launch.attention_config``)."""
+    return [
+        [attention_specialization(layout, dtype, config, lanes) for config in geo.ATTENTION_CONFIGS]
+        for layout, dtype in attention_layouts()
+        for lanes in LANES
+    ]
+
+
 def specializations() -> list[Specialization]:
-    """Every constexpr / pointer-type combination the host code in launch.py can launch."""
+    """Every constexpr / pointer-type combination the host code in launch.py can launch: the
+    fused-score, quantize and reduce kernels, and every group of :func:`attention_groups`."""
     specs = [
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS),
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS, ones=("group", "q_len")),
@@ -181,16 +207,11 @@ def specializations() -> list[Specialization]:
             {"BLOCK_N": geo.BLOCK_N, "CHUNK": geo.CHUNK},
             {"codes_ptr": "u8", "signs_ptr": "u8"},
         ),
+        Specialization(
+            "reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS
+        ),
     ]
-    specs += [
-        attention_specialization(layout, dtype, config)
-        for layout, dtype in attention_layouts()
-        for config in geo.ATTENTION_CONFIGS
-    ]
-    specs.append(
-        Specialization("reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS)
-    )
-    return specs
+    return specs + [spec for group in attention_groups() for spec in group]
 
 
 def kernel_objects() -> dict:
@@ -336,15 +357,29 @@ def supported_archs() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compile everything (optionally only archs given as arguments); one JSON line each."""
+    """Compile for the archs given as arguments (default: every supported one); one JSON line
+    each. The fused-score, quantize and reduce kernels compile every specialization; each group
+    of :func:`attention_groups` compiles its configurations in order until one does not spill
+    (what a launch runs where nothing is timed), each record naming its group."""
     archs = [int(a) for a in (argv if argv is not None else sys.argv[1:])] or supported_archs()
     kernels = kernel_objects()
     failures = 0
     for spec in specializations():
+        if spec.kernel == "attention_kernel":
+            continue
         for arch in archs:
             record = compile_one(kernels[spec.kernel], spec, arch)
             failures += not record["ok"]
             print(json.dumps(record), flush=True)
+    for group in attention_groups():
+        for arch in archs:
+            for spec in group:
+                record = compile_one(kernels[spec.kernel], spec, arch)
+                record["group"] = group[0].label
+                failures += not record["ok"]
+                print(json.dumps(record), flush=True)
+                if record["ok"] and record.get("stack", 0) == 0:
+                    break
     return 1 if failures else 0
 
 

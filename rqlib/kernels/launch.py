@@ -227,22 +227,30 @@ def _sm_count(device_type: str, index: int | None) -> int | None:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
-def split_plan(state, span: int, batch: int, rows: int, acc_width: int, device, partition):
-    """``(splits, partition)`` of a decode step (one block of ``rows`` rows) over ``span`` keys:
-    at most ``partition`` keys per split when given, else chosen from the device's SM count and
-    the layer's bytes per key (:func:`rqlib.kernels.limits.decode_splits`)."""
+def split_plan(
+    state, span: int, batch: int, rows: int, lanes: int, acc_width: int, device, partition
+):
+    """``(splits, partition)`` of a decode step (one block of ``rows`` rows in ``lanes`` lanes)
+    over ``span`` keys: at most ``partition`` keys per split when given, else chosen from the
+    device's SM count and the layer's bytes per key (:func:`rqlib.kernels.limits.decode_splits`)."""
     span = max(1, span)
     if partition is not None:
         return geo.even_partition(span, math.ceil(span / partition))
     kv_heads = state.keys.rings[0].heads
     key_bytes = sum(ring.bytes_per_token() for s in (state.keys, state.values) for ring in s.rings)
     sm_count = _sm_count(device.type, device.index)
-    partial = geo.partial_bytes(rows, acc_width)
+    partial = geo.partial_bytes(rows, acc_width, lanes)
     return geo.decode_splits(span, batch * kv_heads, sm_count, partial, key_bytes)
 
 
 def attention(
-    state, q: torch.Tensor, mask, scale: float, softcap: float | None, partition: int | None
+    state,
+    q: torch.Tensor,
+    mask,
+    scale: float,
+    softcap: float | None,
+    partition: int | None,
+    lanes: int | None = None,
 ) -> torch.Tensor:
     """Launch :func:`attention_kernel` and :func:`reduce_kernel`; float32 ``[B, Hq, Lq, d]``.
 
@@ -251,7 +259,8 @@ def attention(
     :func:`rqlib.kernels.numerics.scaled_rows`, and ``<q, mu>``), views of the buffers, and
     the rotation of the accumulators back. A
     decode step's keys are cut into splits (:func:`split_plan`: of at most ``partition`` keys,
-    or chosen from the SM count)."""
+    or chosen from the SM count), and each key tile into ``lanes`` lanes (by default
+    :func:`rqlib.kernels.limits.lanes` of the rows)."""
     batch, q_heads, length, head_dim = q.shape
     device = q.device
     keys, values = state.keys, state.values
@@ -327,6 +336,8 @@ def attention(
         None if state.band_values is None else geo.StreamFormat.of(state.band_values),
     )
     compile_time = {**formats, "SOFTCAP": int(bool(softcap and softcap > 0))}
+    if lanes is None:  # few rows: each key tile cut into lanes (triton_attention)
+        lanes = geo.lanes(n_rows)
     v_dim = head_dim if values.is_exact else formats["v_dim"]
     bv_dim = formats["bv_dim"]
     value_width = max(head_dim, v_dim, bv_dim)
@@ -335,18 +346,21 @@ def attention(
     first = state.first
     if causal and window:
         first = max(first, state.start - window + 1)
-    n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
+    n_row_blocks = math.ceil(n_rows / (geo.BLOCK_ROWS // lanes))
     split_lo = first - first % geo.ATTENTION_BLOCK_S  # splits start on whole key tiles
     span = state.end - split_lo
     if n_row_blocks == 1:
-        n_splits, partition = split_plan(state, span, batch, n_rows, acc_width, device, partition)
+        n_splits, partition = split_plan(
+            state, span, batch, n_rows, lanes, acc_width, device, partition
+        )
     else:  # a prompt: its row blocks provide the parallelism, one split each
         n_splits, partition = geo.even_partition(span, 1)
 
     total_rows = batch * kv_heads * n_rows
-    part_m = empty((total_rows, n_splits, 3), torch.float32, device)
-    part_l = empty((total_rows, n_splits, 3), torch.float32, device)
-    part_acc = empty((total_rows, n_splits, 3, acc_width), torch.float32, device)
+    n_parts = n_splits * lanes  # a split of each lane: the reduce merges them
+    part_m = empty((total_rows, n_parts, 3), torch.float32, device)
+    part_l = empty((total_rows, n_parts, 3), torch.float32, device)
+    part_acc = empty((total_rows, n_parts, 3, acc_width), torch.float32, device)
     grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
 
     def arguments(config: geo.AttentionConfig) -> tuple:
@@ -381,6 +395,7 @@ def attention(
 
     options = dict(
         **compile_time,
+        LANES=lanes,
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
@@ -388,7 +403,7 @@ def attention(
         num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )
-    layer_format = (tuple(compile_time.items()), block_v, exact_dtype, device)
+    layer_format = (tuple(compile_time.items()), lanes, block_v, exact_dtype, device)
     config = attention_config(
         layer_format, tuning_key(n_row_blocks, span), grid, arguments, options
     )
@@ -401,7 +416,7 @@ def attention(
         part_l,
         part_acc,
         reduced,
-        n_splits,
+        n_parts,
         acc_width,
         BLOCK=geo.REDUCE_BLOCK,
         num_warps=geo.REDUCE_NUM_WARPS,
@@ -544,10 +559,11 @@ def _spilled_registers(compiled) -> int:
 
 
 def _warn_spills(layer_format: tuple, config: geo.AttentionConfig, spills: int) -> None:
-    compile_time, block_v, dtype, _ = layer_format
+    compile_time, lanes, block_v, dtype, _ = layer_format
     warnings.warn(
-        f"attention_kernel[{dict(compile_time)}, BLOCK_V={block_v}, {dtype}] spills {spills} "
-        f"registers to local memory on this GPU in every configuration (the last: {config}): "
+        f"attention_kernel[{dict(compile_time)}, LANES={lanes}, BLOCK_V={block_v}, {dtype}] spills "
+        f"{spills} registers to local memory on this GPU in every configuration (the last: "
+        f"{config}): "
         "this layer's attention runs slower than it would without the spill",
         RuntimeWarning,
         stacklevel=4,

@@ -11,7 +11,9 @@ Design: the attention kernel compiles one specialization per storage format of a
 (:func:`attention_formats`: head dimension, which streams are exact or codes, code widths,
 rotated dimensions, norm widths, QJL or not), so that a decode step issues no instruction for a
 format it does not have (chapter 3 counts what a decode step issues). A model compiles a
-handful, one per distinct per-layer format (and softcap or not: ``launch.attention``).
+handful, one per distinct per-layer format (and softcap or not: ``launch.attention``), for its
+prompts and again for its decode steps, whose few rows cut the key tiles into lanes
+(:func:`lanes`).
 Positions, lengths, capacities, the mask, the window and the softcap's value stay run-time
 arguments. The fused-score and quantize kernels take every size at run time.
 """
@@ -48,6 +50,10 @@ ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)
 #: tile crosses the end of a ring.
 RING_GRANULE = 64
 BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
+#: the most lanes a program cuts a key tile into (rqlib.kernels.triton_attention): four lanes of
+#: four keys. A tile row per (query row, lane) is the kernel's unit of work, so a lane of fewer
+#: keys leaves threads of a two-warp program idle
+MAX_LANES = 4
 BLOCK_N = 16  # vectors per quantize program
 NUM_WARPS = 8  # scores and quantize kernels
 ATTENTION_NUM_STAGES = 1  # no software pipelining: its prefetched tiles spill on sm_80
@@ -88,27 +94,54 @@ class AttentionConfig:
         }
 
 
-#: The attention kernel's configurations, in order of preference. Four warps with the scores on
-#: tensor cores issue the fewest instructions per key (rqlib.book.sass counts them: each warp
-#: repeats the bookkeeping of a tile, and the scores' multiply-adds leave the CUDA cores), and
-#: fewer still with the values' centroids read in pairs, but their registers fit only the
-#: lighter formats (the pairs cost registers, and some formats fit four warps only without
-#: them); eight warps with the scores on the CUDA cores fit every
-#: format of the covering set. A layer format on a GPU launches the fastest measured of the
-#: configurations whose compiled kernel does not spill registers, the first of them where
-#: nothing is timed (``launch.attention_config``; tests/test_kernels_aot.py).
+#: The attention kernel's configurations, in order of preference. The fewer warps, the fewer
+#: instructions per key (rqlib.book.sass counts them: each warp repeats the bookkeeping of a
+#: tile, and a tile of 16 rows and 16 keys is too small to share among four warps without
+#: copies), and fewer with the scores on tensor cores (their multiply-adds leave the CUDA cores)
+#: and with the values' centroids read in pairs; but the fewer the warps, the more registers
+#: each thread holds. Two warps fit the presets' formats in a decode step at head dims 64 and
+#: 128 (with lanes, which shrink a tile's softmax), four warps with the scores on tensor cores
+#: the lighter formats of a prompt (some only without the value pairs), and eight warps with
+#: the scores on the CUDA cores every format of the covering set. A layer format on a GPU
+#: launches the fastest measured of the configurations whose compiled kernel does not spill
+#: registers, the first of them where nothing is timed (``launch.attention_config``;
+#: tests/test_kernels_aot.py).
 ATTENTION_CONFIGS = (
+    AttentionConfig(2, True, value_pairs=True),
     AttentionConfig(4, True, value_pairs=True),
     AttentionConfig(4, True),
     AttentionConfig(8, False),
 )
 
 
-def partial_bytes(rows: int, acc_width: int) -> int:
-    """Bytes of one split's partial results for ``rows`` query rows: ``m``, ``l`` and an
-    accumulator of ``acc_width`` floats per row for each of the three streams (main, band,
-    sink), written by the split and read back by the reduce."""
-    return 2 * rows * 3 * (2 + acc_width) * 4
+def lanes(rows: int) -> int:
+    """The lanes the attention kernel cuts each key tile into for a block of ``rows`` query rows
+    (rqlib.kernels.triton_attention): as many copies of the rows as fill the ``BLOCK_ROWS``
+    rows of a tile, a power of two up to ``MAX_LANES``; 1 for a block that fills them (a
+    prompt, or a group of more than ``BLOCK_ROWS / 2`` heads)."""
+    if rows < 1:
+        raise ValueError(f"a block has at least one row, got {rows}")
+    lanes = 1
+    while lanes < MAX_LANES and rows * 2 * lanes <= BLOCK_ROWS:
+        lanes *= 2
+    return lanes
+
+
+def partial_bytes(rows: int, acc_width: int, lanes: int = 1) -> int:
+    """Bytes of one split's partial results for ``rows`` query rows in ``lanes`` lanes, written
+    by the split and read back by the reduce: per row and lane, ``m`` and ``l`` of each of the
+    three streams (main, band, sink) and the main stream's accumulator of ``acc_width`` floats.
+    An accumulator is written only where its row saw a key, so the band's and the sink's are
+    written by the one or two splits that hold their keys, a constant of the step
+    (:func:`stream_partial_bytes`), not a cost of every split."""
+    return 2 * rows * lanes * (3 * 2 + acc_width) * 4
+
+
+def stream_partial_bytes(rows: int, acc_width: int, lanes: int = 1) -> int:
+    """Bytes of the accumulators of one stream of a step's partial results, written by one
+    split and read back by the reduce: ``acc_width`` floats per row and lane (the band and the
+    sink, once each per step; see :func:`partial_bytes`)."""
+    return 2 * rows * lanes * acc_width * 4
 
 
 def even_partition(span: int, splits: int) -> tuple[int, int]:

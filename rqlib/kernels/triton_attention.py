@@ -1,7 +1,7 @@
 """Triton kernels: attention over one layer of the compressed cache, fused (split + reduce).
 
-``attention_kernel``: one program per (batch, KV head, block of BLOCK_ROWS query rows, split of
-the keys, block of BLOCK_V value columns). A row is a (query position, query head of the GQA
+``attention_kernel``: one program per (batch, KV head, block of query rows, split of the keys,
+block of BLOCK_V value columns). A row is a (query position, query head of the GQA
 group) pair, so a key tile is decoded once for the whole group and any group size is served (a
 group of 40 heads is three row blocks). A pair (row ``i``, key ``j``) reads exactly one of
 three streams:
@@ -22,6 +22,22 @@ running sum l; :data:`LOG2E`), and the values weighted in place: codes accumulat
 coordinates. Nothing is ever decoded to a value vector per key; the rotations back happen once
 per query after the reduce.
 
+Lanes (``LANES``): a tile is ``BLOCK_ROWS`` = 16 rows by ``BLOCK_S`` keys, the smallest a tensor
+core multiplies, but a decode step of a GQA group has only as many rows as the group has heads
+(4 in Llama-3-8B's geometry, 3 in SmolLM2's). Padded to 16, most rows of a tile would be empty,
+and the softmax, the masks and the bookkeeping of the tile would run on them all the same. So a
+program of few rows cuts each key tile into ``LANES`` lanes of ``LANE_KEYS = BLOCK_S / LANES``
+keys and holds each of its ``BLOCK_ROWS / LANES`` query rows once per lane: row ``i`` of a tile
+is query row ``i // LANES`` reading lane ``i % LANES`` (:func:`lane_range`). The products still
+run on the whole tile, every row against every key, which the tensor core computes anyway;
+:func:`own_lane` keeps the scores of each row's lane, ``[BLOCK_ROWS, LANE_KEYS]``, on which the
+softmax runs, and :func:`spread_lane` puts the weights back in their lane's columns, zeros
+elsewhere, for the product with the values. Each lane keeps its own online softmax over its
+quarter (or half) of every tile, so a lane is a split of its own: its partial result goes to part
+``split * LANES + lane`` and the reduce merges lanes as it merges splits. ``LANES`` is
+compile-time: 4 for a block of up to 4 rows, 2 up to 8, 1 for more (a prompt;
+``limits.lanes``).
+
 Precision: every product with codebook values (the scores of coded keys and the weighted coded
 values) runs on fp16 tensor cores, to float32 accuracy on the kernel's codebook, the codebook
 rounded to fp16 (:mod:`rqlib.kernels.numerics`): the other factor, the query rows (scaled into
@@ -40,7 +56,7 @@ more than sm_90 has. So do causal order and whether a mask tensor is read: as co
 save a few instructions per key but make the heaviest layouts spill.
 
 The kernel is shaped so that every layer format has a configuration that spills no register
-(``limits.ATTENTION_CONFIGS``: four warps with the scores on tensor cores, the values'
+(``limits.ATTENTION_CONFIGS``: two or four warps with the scores on tensor cores, the values'
 centroids read in pairs or not, where they fit, else eight with the scores on the CUDA cores;
 ``tests/test_kernels_aot.py`` compiles a covering set for sm_80 and sm_90; a layer format
 launches the configurations that do not spill, the fastest measured on the GPU, and warns when
@@ -54,7 +70,8 @@ up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap 
 tile at 128 to fit two blocks an SM, and spill.
 
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
-2 sink). ``reduce_kernel`` merges every split and slot of a row: ``M = max m``, ``L = sum
+2 sink) of its part (a split and a lane). ``reduce_kernel`` merges every part and slot of a
+row: ``M = max m``, ``L = sum
 2^(m - M) l``, and per slot ``out_t = sum_s 2^(m_st - M) acc_st / L``: a slot is a part of the
 softmax-weighted sum in its own coordinates. A row that sees no key (a padding position) gets
 zeros.
@@ -67,8 +84,8 @@ ring, and its loads take no mask (:func:`every_key`).
 
 Bytes read per key and KV head in a decode step, head_dim 128, 3-bit keys and values, 11-bit
 norms: 2 * (48 + 1.375) = 98.75 bytes, against 512 for fp16 keys and values; the sink and band
-tokens add a constant per step, and the partial results ``3 * (2 + width)`` floats per row and
-split (``width``: the accumulator's columns over all value blocks).
+tokens add a constant per step, and the partial results ``3 * (2 + width)`` floats per row,
+split and lane (``width``: the accumulator's columns over all value blocks).
 """
 
 from __future__ import annotations
@@ -156,14 +173,22 @@ def aligned_start(lo, hi, capacity, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def ring_tile(tile, slot_lo, lo, hi, capacity, BLOCK_S: tl.constexpr):
-    """``(keys, in_range, slots, next_slot_lo)`` of the tile whose first key is ``tile`` and
-    first slot ``slot_lo`` (from :func:`aligned_start`) in the loop over keys ``lo .. hi - 1``:
-    its keys, which of them the loop reads, their slots, and the first slot of the next tile."""
-    keys = tile + tl.arange(0, BLOCK_S)
-    in_range = (keys >= lo) & (keys < hi)
+def ring_tile(tile, slot_lo, capacity, BLOCK_S: tl.constexpr):
+    """``(slots, next_slot_lo)`` of the tile whose first key is ``tile`` and first slot
+    ``slot_lo`` (from :func:`aligned_start`): the ring slots of its keys ``tile ..
+    tile + BLOCK_S - 1``, and the first slot of the next tile."""
     slots = slot_lo + tl.arange(0, BLOCK_S)
-    return keys, in_range, slots, wrap(slot_lo + BLOCK_S, capacity)
+    return slots, wrap(slot_lo + BLOCK_S, capacity)
+
+
+@triton.jit
+def lane_range(tile, lane, lo, hi, LANE_KEYS: tl.constexpr):
+    """``(keys, in_range)``, ``[BLOCK_ROWS, LANE_KEYS]``: the keys of the tile that starts at
+    key ``tile`` that each row reads, those of its lane (``tile + lane * LANE_KEYS ..``, tile
+    columns ``lane * LANE_KEYS ..``), and which of them the loop over keys ``lo .. hi - 1``
+    reads."""
+    keys = tile + lane[:, None] * LANE_KEYS + tl.arange(0, LANE_KEYS)[None, :]
+    return keys, (keys >= lo) & (keys < hi)
 
 
 @triton.jit
@@ -185,6 +210,28 @@ def as_mask(condition):
 
 
 @triton.jit
+def own_lane(x, lane, LANES: tl.constexpr, LANE_KEYS: tl.constexpr):
+    """The columns of ``x`` ``[BLOCK_ROWS, LANES * LANE_KEYS]`` (a row against every key of a
+    tile) that each row's lane reads, ``[BLOCK_ROWS, LANE_KEYS]``."""
+    if LANES == 1:
+        return x
+    split = tl.reshape(x, (x.shape[0], LANES, LANE_KEYS))
+    pick = lane[:, None, None] == tl.arange(0, LANES)[None, :, None]
+    return tl.sum(tl.where(pick, split, 0.0), axis=1)
+
+
+@triton.jit
+def spread_lane(x, lane, LANES: tl.constexpr, LANE_KEYS: tl.constexpr):
+    """The reverse of :func:`own_lane`: ``x`` ``[BLOCK_ROWS, LANE_KEYS]`` put in the columns of
+    each row's lane of ``[BLOCK_ROWS, LANES * LANE_KEYS]``, zeros elsewhere."""
+    if LANES == 1:
+        return x
+    pick = lane[:, None, None] == tl.arange(0, LANES)[None, :, None]
+    spread = tl.where(pick, x[:, None, :], 0.0)
+    return tl.reshape(spread, (x.shape[0], LANES * LANE_KEYS))
+
+
+@triton.jit
 def visible_pairs(
     keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_ptr,
     stride_mt, stride_mk, mask_len, mask_offset,
@@ -194,16 +241,16 @@ def visible_pairs(
     already offset to the batch row)."""
     # Without branches: a run-time `if` here splits the loop body, and the registers live across
     # both sides spill. int8, not bool, is returned (no 1-bit shared memory).
-    after = keys[None, :] > positions[:, None]
-    outside_window = (window > 0) & (keys[None, :] <= positions[:, None] - window)
+    after = keys > positions[:, None]
+    outside_window = (window > 0) & (keys <= positions[:, None] - window)
     hidden = (causal != 0) & (after | outside_window)
-    visible = as_mask(row_mask[:, None] & in_range[None, :] & ~hidden)
+    visible = as_mask(row_mask[:, None] & in_range & ~hidden)
     column = keys - mask_offset
     inside = (column >= 0) & (column < mask_len)
     flags = tl.load(
         mask_ptr + (rows // group)[:, None].to(tl.int64) * stride_mt
-        + column.to(tl.int64)[None, :] * stride_mk,
-        mask=as_mask(visible & inside[None, :] & (has_mask != 0)),
+        + column.to(tl.int64) * stride_mk,
+        mask=as_mask(visible & inside & (has_mask != 0)),
         other=0,
     )  # fmt: skip
     return (visible & ((has_mask == 0) | (flags != 0))).to(tl.int8)
@@ -237,20 +284,26 @@ def softmax_step(scores, visible, softcap, m_i, l_i, acc, SOFTCAP: tl.constexpr)
 
 @triton.jit
 def store_partial(
-    part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, split, slot, row_mask, m_i, l_i, acc,
-    col0, acc_width, BLOCK_V: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, slot, row_mask, m_i, l_i, acc,
+    col0, acc_width, BLOCK_V: tl.constexpr, fence=0,
 ):  # fmt: skip
-    """Write one stream's (m, l, acc) of the rows ``q_rows`` and ``split`` to ``slot``: the
-    accumulator's columns ``col0 ..`` of ``acc_width``; (m, l) by the first column block only
-    (every block computes the same), ``m`` in base-2 units, ``l`` summed over its keys."""
+    """Write one stream's (m, l, acc) of the rows ``q_rows`` to their ``part`` (of ``n_parts``:
+    a split and a lane) and ``slot``: (m, l) by the first column block only (every block
+    computes the same), ``m`` in base-2 units, ``l`` summed over its keys; the accumulator's
+    columns ``col0 ..`` of ``acc_width`` only where the row saw a key (``m > -inf``: the reduce
+    reads no other, so a split without band or sink keys writes no accumulator for them).
+
+    ``fence`` is 0, computed from a value of the loop before the store that the compiler cannot
+    prove is 0: without it the compiler computes the index once for the three streams' stores
+    and keeps it in registers across the later loops, which spilled."""
     # computed here, not before the loops: an index live across them would take registers
-    index = (q_rows * n_splits + split) * 3 + slot
+    index = ((q_rows + fence) * n_parts + part) * 3 + slot
     first_block = as_mask(row_mask & (col0 == 0))
     tl.store(part_m_ptr + index, m_i, mask=first_block)
     tl.store(part_l_ptr + index, tl.sum(l_i, axis=1), mask=first_block)
     vcols = col0 + tl.arange(0, BLOCK_V)
     acc_ptrs = part_acc_ptr + index[:, None].to(tl.int64) * acc_width + vcols[None, :]
-    tl.store(acc_ptrs, acc, mask=row_mask[:, None])
+    tl.store(acc_ptrs, acc, mask=as_mask(row_mask & (m_i > float("-inf")))[:, None])
 
 
 @triton.jit
@@ -309,7 +362,7 @@ def attention_kernel(
     # compile-time: tiles, whether the scores of codes run on tensor cores and whether the
     # values' centroids are read in pairs (the configuration: limits.ATTENTION_CONFIGS)
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    SCORE_TENSOR_CORES: tl.constexpr, VALUE_PAIRS: tl.constexpr,
+    SCORE_TENSOR_CORES: tl.constexpr, VALUE_PAIRS: tl.constexpr, LANES: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of the keys for one block of rows and one block of value
     columns, one loop per stream; see the module doc."""
@@ -321,8 +374,13 @@ def attention_kernel(
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
 
-    rows = pid_rows * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    ROWS: tl.constexpr = BLOCK_ROWS // LANES  # query rows a program serves
+    LANE_KEYS: tl.constexpr = BLOCK_S // LANES  # keys of a tile each lane reads
+    lane = tl.arange(0, BLOCK_ROWS) % LANES
+    rows = pid_rows * ROWS + tl.arange(0, BLOCK_ROWS) // LANES
     row_mask = rows < n_rows
+    n_parts = n_splits * LANES
+    part = pid_split * LANES + lane
     q_rows = pid_bh.to(tl.int64) * n_rows + rows  # index into the query-side arrays
     positions = start + rows // group  # query position of each row
     mask_b = mask_ptr + b * stride_mb
@@ -330,8 +388,8 @@ def attention_kernel(
     softcap_base2 = softcap * LOG2E
 
     # keys this program reads: its split, cut to what the rows of the block can see
-    last_row = tl.minimum(pid_rows * BLOCK_ROWS + BLOCK_ROWS, n_rows) - 1
-    block_lo = start + (pid_rows * BLOCK_ROWS) // group
+    last_row = tl.minimum(pid_rows * ROWS + ROWS, n_rows) - 1
+    block_lo = start + (pid_rows * ROWS) // group
     block_hi = start + last_row // group  # last query position of the block
     k_begin = tl.maximum(first, split_lo + pid_split * partition)
     k_end = tl.minimum(end, split_lo + (pid_split + 1) * partition)
@@ -357,23 +415,25 @@ def attention_kernel(
     mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
     q_main_scale = tl.load(q_main_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
     qjl_scale = k_qjl_scale * score_scale
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, LANE_KEYS, BLOCK_V)
     tile_lo, slot_lo = aligned_start(main_lo, main_hi, k_cap, BLOCK_S)
     loaded = every_key(BLOCK_S)
     for tile in range(tile_lo, main_hi, BLOCK_S):
-        keys, in_range, slots, slot_lo = ring_tile(tile, slot_lo, main_lo, main_hi, k_cap, BLOCK_S)
+        slots, slot_lo = ring_tile(tile, slot_lo, k_cap, BLOCK_S)
+        keys, in_range = lane_range(tile, lane, main_lo, main_hi, LANE_KEYS)
         if k_exact != 0:
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, k_x, slots, stride_kxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
-            ) * score_scale  # fmt: skip
+            )  # fmt: skip
+            scores = own_lane(scores, lane, LANES, LANE_KEYS) * score_scale
         else:
             norms = load_norms(k_norms, slots, k_width)
             scores = code_scores(
                 q_main_ptr, q_rows, row_mask, k_dim, k_codes, slots, stride_kcs, loaded,
                 k_bits, k_code_bytes, k_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
                 group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES, True,
-            ) * (q_main_scale[:, None] * norms[None, :])  # fmt: skip
+            ) * norms[None, :]  # fmt: skip
             if k_qjl > 0:
                 rnorms = load_norms(k_rnorms, slots, k_width)
                 qjl = sign_scores(
@@ -381,29 +441,33 @@ def attention_kernel(
                     loaded,
                     BLOCK_ROWS, BLOCK_S, CHUNK,
                 )  # fmt: skip
-                scores += qjl * (rnorms * qjl_scale)[None, :]
-            scores += mean[:, None]
+                scores = scores * q_main_scale[:, None] + qjl * (rnorms * qjl_scale)[None, :]
+                scores = own_lane(scores, lane, LANES, LANE_KEYS) + mean[:, None]
+            else:
+                scores = own_lane(scores, lane, LANES, LANE_KEYS)
+                scores = scores * q_main_scale[:, None] + mean[:, None]
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
         # band pairs are read from the band (without a branch, as in visible_pairs)
-        before_band = keys[None, :] <= positions[:, None] - band
-        not_band = before_band | (keys[None, :] > positions[:, None]) | (band_k_mode == 0)
+        before_band = keys <= positions[:, None] - band
+        not_band = before_band | (keys > positions[:, None]) | (band_k_mode == 0)
         visible = visible * not_band.to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
+        weights = spread_lane(p, lane, LANES, LANE_KEYS)
         if v_exact != 0:
             v_tile = exact_values(v_x, slots, stride_vxs, loaded, head_dim, v_col0, BLOCK_V)
-            acc = tl.dot(p, v_tile, acc, input_precision="ieee")
+            acc = tl.dot(weights, v_tile, acc, input_precision="ieee")
         else:  # sum_j (p_j ||v_j||) c_j, the products on tensor cores
             v_norms_tile = load_norms(v_norms, slots, v_width)
             centroids = code_values(
                 v_codes, slots, stride_vcs, loaded, v_bits, v_code_bytes, v_centroids_ptr,
                 v_dim, v_col0, BLOCK_V, VALUE_PAIRS,
             )  # fmt: skip
-            acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
+            acc = split_dot(weights * v_norms_tile[None, :], centroids, acc)
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 0, row_mask, m_i, l_i,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, 0, row_mask, m_i, l_i,
         acc, v_col0, acc_width, BLOCK_V,
     )  # fmt: skip
 
@@ -420,107 +484,118 @@ def attention_kernel(
     bv_x = bv_exact_ptr + b * stride_bvxb + kvh * stride_bvxh
     band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
     q_band_scale = tl.load(q_band_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, LANE_KEYS, BLOCK_V)
     tile_lo, slot_lo = aligned_start(band_lo, band_hi, b_cap, BLOCK_S)
     loaded = every_key(BLOCK_S)
     for tile in range(tile_lo, band_hi, BLOCK_S):
-        keys, in_range, slots, slot_lo = ring_tile(tile, slot_lo, band_lo, band_hi, b_cap, BLOCK_S)
+        slots, slot_lo = ring_tile(tile, slot_lo, b_cap, BLOCK_S)
+        keys, in_range = lane_range(tile, lane, band_lo, band_hi, LANE_KEYS)
         if band_k_mode == 2:  # keys as codes
             norms = load_norms(bk_norms, slots, bk_width)
             scores = code_scores(
                 q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, loaded,
                 bk_bits, bk_code_bytes, bk_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
                 group_loads(bk_bits, bk_dim, CHUNK), SCORE_TENSOR_CORES, True,
-            ) * (q_band_scale[:, None] * norms[None, :]) + band_mean[:, None]  # fmt: skip
+            ) * norms[None, :]  # fmt: skip
+            scores = own_lane(scores, lane, LANES, LANE_KEYS)
+            scores = scores * q_band_scale[:, None] + band_mean[:, None]
         else:
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
-            ) * score_scale  # fmt: skip
+            )  # fmt: skip
+            scores = own_lane(scores, lane, LANES, LANE_KEYS) * score_scale
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
-        after_band_start = keys[None, :] > positions[:, None] - band
-        visible = visible * (after_band_start & (keys[None, :] <= positions[:, None])).to(tl.int8)
+        after_band_start = keys > positions[:, None] - band
+        visible = visible * (after_band_start & (keys <= positions[:, None])).to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
+        weights = spread_lane(p, lane, LANES, LANE_KEYS)
         if BAND_VALUE_CODES:
             v_norms_tile = load_norms(bv_norms, slots, bv_width)
             centroids = code_values(
                 bv_codes, slots, stride_bvcs, loaded, bv_bits, bv_code_bytes, bv_centroids_ptr,
                 bv_dim, v_col0, BLOCK_V, VALUE_PAIRS,
             )  # fmt: skip
-            acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
+            acc = split_dot(weights * v_norms_tile[None, :], centroids, acc)
         else:
+            tile_keys = tile + tl.arange(0, BLOCK_S)
             v_tile = exact_values(
-                bv_x, keys % bv_cap, stride_bvxs, loaded, head_dim, v_col0, BLOCK_V
+                bv_x, tile_keys % bv_cap, stride_bvxs, loaded, head_dim, v_col0, BLOCK_V
             )
-            acc = tl.dot(p, v_tile, acc, input_precision="ieee")
+            acc = tl.dot(weights, v_tile, acc, input_precision="ieee")
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 1, row_mask, m_i, l_i,
-        acc, v_col0, acc_width, BLOCK_V,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, 1, row_mask, m_i, l_i,
+        acc, v_col0, acc_width, BLOCK_V, tl.minimum(slot_lo, 0),  # a slot: >= 0
     )  # fmt: skip
 
     # 3. the sink: keys j < n_sink, exact
     sink_hi = tl.minimum(k_end, n_sink)
     sink_k = sink_k_ptr + b * stride_skb + kvh * stride_skh
     sink_v = sink_v_ptr + b * stride_svb + kvh * stride_svh
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, LANE_KEYS, BLOCK_V)
     for tile in range(k_begin, sink_hi, BLOCK_S):
-        keys = tile + tl.arange(0, BLOCK_S)
-        in_range = keys < sink_hi
+        tile_keys = tile + tl.arange(0, BLOCK_S)
+        stored = tile_keys < sink_hi
         scores = exact_scores(
-            q_raw_ptr, q_rows, row_mask, head_dim, sink_k, keys, stride_sks, in_range,
+            q_raw_ptr, q_rows, row_mask, head_dim, sink_k, tile_keys, stride_sks, stored,
             BLOCK_ROWS, BLOCK_S, CHUNK,
-        ) * score_scale  # fmt: skip
+        )  # fmt: skip
+        scores = own_lane(scores, lane, LANES, LANE_KEYS) * score_scale
+        keys, in_range = lane_range(tile, lane, k_begin, sink_hi, LANE_KEYS)
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
         )  # fmt: skip
         p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
         v_tile = exact_values(
-            sink_v, keys % sv_cap, stride_svs, in_range, head_dim, v_col0, BLOCK_V
+            sink_v, tile_keys % sv_cap, stride_svs, stored, head_dim, v_col0, BLOCK_V
         )
-        acc = tl.dot(p, v_tile, acc, input_precision="ieee")
+        acc = tl.dot(spread_lane(p, lane, LANES, LANE_KEYS), v_tile, acc, input_precision="ieee")
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 2, row_mask, m_i, l_i,
-        acc, v_col0, acc_width, BLOCK_V,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, 2, row_mask, m_i, l_i,
+        acc, v_col0, acc_width, BLOCK_V, tl.minimum(sink_hi, 0),  # a key: >= 0
     )  # fmt: skip
 
 
 @triton.jit
 def reduce_kernel(
-    part_m_ptr,  # fp32 [rows, n_splits, 3]
-    part_l_ptr,  # fp32 [rows, n_splits, 3]
-    part_acc_ptr,  # fp32 [rows, n_splits, 3, width]
+    part_m_ptr,  # fp32 [rows, n_parts, 3]
+    part_l_ptr,  # fp32 [rows, n_parts, 3]
+    part_acc_ptr,  # fp32 [rows, n_parts, 3, width]
     out_ptr,  # fp32 [rows, 3, width]
-    n_splits,
+    n_parts,
     width,
     BLOCK: tl.constexpr,
 ):
-    """Merge the splits and streams of one row, BLOCK columns of one slot per program:
-    ``out_t = sum_s w_st acc_st / sum_st w_st l_st`` with ``w_st = 2^(m_st - M)`` (the maxima
-    are in base-2 units, :data:`LOG2E`); zeros for a row that saw no key."""
+    """Merge the parts (splits and lanes) and streams of one row, BLOCK columns of one slot per
+    program: ``out_t = sum_s w_st acc_st / sum_st w_st l_st`` with ``w_st = 2^(m_st - M)``
+    (the maxima are in base-2 units, :data:`LOG2E`), reading only the accumulators of weight
+    ``w_st > 0``; zeros for a row that saw no key."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < width
-    parts = n_splits * 3
+    entries = n_parts * 3  # (part, slot) entries of the row
 
-    m_max = tl.load(part_m_ptr + row * parts)
-    for s in range(1, parts):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + row * parts + s))
+    m_max = tl.load(part_m_ptr + row * entries)
+    for s in range(1, entries):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + row * entries + s))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
 
     total = 0.0
-    for s in range(0, parts):
-        weight = tl.exp2(tl.load(part_m_ptr + row * parts + s) - m_safe)
-        total += weight * tl.load(part_l_ptr + row * parts + s)
+    for s in range(0, entries):
+        weight = tl.exp2(tl.load(part_m_ptr + row * entries + s) - m_safe)
+        total += weight * tl.load(part_l_ptr + row * entries + s)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(0, n_splits):
-        s = split * 3 + slot
-        weight = tl.exp2(tl.load(part_m_ptr + row * parts + s) - m_safe)
-        part = tl.load(part_acc_ptr + (row * parts + s) * width + cols, mask=col_mask, other=0.0)
-        acc += weight * part
+    for part in range(0, n_parts):
+        s = part * 3 + slot
+        weight = tl.exp2(tl.load(part_m_ptr + row * entries + s) - m_safe)
+        # an entry whose row saw no key was not written (store_partial): weight 0, not read
+        read = col_mask & ((tl.zeros((BLOCK,), dtype=tl.float32) + weight) > 0.0)
+        partial = tl.load(part_acc_ptr + (row * entries + s) * width + cols, mask=read, other=0.0)
+        acc += weight * partial
     out = tl.where(total > 0.0, acc / tl.maximum(total, 1e-30), 0.0)
     tl.store(out_ptr + (row * 3 + slot) * width + cols, out, mask=col_mask)

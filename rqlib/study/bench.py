@@ -222,16 +222,21 @@ def run_gpu(args) -> int:
 
 def partial_bytes(layer, q_heads: int, batch: int, value_width: int, device) -> int:
     """Bytes of the attention's partial results in a decode step, written once and read back
-    once, with the splits the launch chooses on ``device``
-    (:func:`rqlib.kernels.launch.split_plan`)."""
+    once, with the splits and lanes the launch chooses on ``device``
+    (:func:`rqlib.kernels.launch.split_plan`, :func:`rqlib.kernels.limits.lanes`): every
+    split's, and the accumulators of the band and the sink where the layer has them."""
     from rqlib.kernels.launch import split_plan
 
     state = layer.state()
     block = geo.accumulator_width(value_width)
     rows = q_heads // state.keys.rings[0].heads  # one query token: the GQA group
+    lanes = geo.lanes(rows)
     span = state.end - state.first
-    splits, _ = split_plan(state, span, batch, rows, block, torch.device(device), None)
-    return batch * state.keys.rings[0].heads * splits * geo.partial_bytes(rows, block)
+    splits, _ = split_plan(state, span, batch, rows, lanes, block, torch.device(device), None)
+    per_step = splits * geo.partial_bytes(rows, block, lanes)
+    streams = (state.band_keys is not None) + (state.n_sink > 0)
+    per_step += streams * geo.stream_partial_bytes(rows, block, lanes)
+    return batch * state.keys.rings[0].heads * per_step
 
 
 def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
@@ -286,7 +291,8 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
 # limits.ATTENTION_CONFIGS (warps, whether the scores run on tensor cores, whether the values'
 # centroids are read in pairs). Every block dimension stays >= 16 for tl.dot.
 TILE_CANDIDATES = (
-    (16, 0, 0), (16, 0, 1), (16, 0, 2), (16, 16, 0), (16, 32, 2), (32, 0, 0), (64, 16, 2),
+    (16, 0, 0), (16, 0, 1), (16, 0, 2), (16, 0, 3), (16, 16, 0), (16, 32, 3), (32, 0, 0),
+    (64, 16, 3),
 )  # fmt: skip
 
 

@@ -13,7 +13,14 @@ from matplotlib.figure import Figure
 from rqlib.book.figures import legend_below, subplots
 from rqlib.core.packing import pack_bits, unpack_bits
 
-__all__ = ["benchmark_figure", "bytes_figure", "issue_figure", "packing_figure", "speedups"]
+__all__ = [
+    "benchmark_figure",
+    "bytes_figure",
+    "issue_figure",
+    "lanes_figure",
+    "packing_figure",
+    "speedups",
+]
 
 
 def speedups(per_bits: pd.DataFrame, value_bits: int) -> dict[str, pd.Series]:
@@ -151,4 +158,47 @@ def benchmark_figure(
     ax.set_ylabel("µs per decode step, one layer")
     handles = [h for a in axes for h in a.get_legend_handles_labels()[0]]
     legend_below(fig, handles=handles, ncol=2)
+    return fig
+
+
+def lanes_figure(maps: Mapping[int, torch.Tensor], group: int) -> Figure:
+    """One panel per number of lanes: the pairs (tile row, key of the tile) of one key tile
+    whose score the softmax reads (``maps[lanes]``, from ``kernel_checks.lane_map``: the tile
+    column + 1 where read, 0 where the product is computed and dropped), coloured by the query
+    row of the ``group`` a tile row holds (row ``i`` holds query row ``i // lanes``); grey rows
+    hold no query."""
+    fig, axes = subplots(len(maps), width=3.6, height=3.9)
+    colors = plt.cm.tab10.colors
+    for ax, (lanes, read) in zip(axes, maps.items()):
+        rows, keys = read.shape
+        for i in range(rows):
+            query = i // lanes
+            for j in range(keys):
+                if query >= group:
+                    face = dict(facecolor="0.85", edgecolor="white")
+                elif read[i, j] > 0:
+                    face = dict(facecolor=colors[query % 10], edgecolor="white")
+                else:
+                    face = dict(facecolor=colors[query % 10], alpha=0.15, edgecolor="white")
+                ax.add_patch(plt.Rectangle((j, i), 1, 1, **face))
+        ax.set_xlim(0, keys)
+        ax.set_ylim(rows, 0)
+        ax.set_aspect("equal")
+        ax.set_xticks([0, keys // 2, keys])
+        ax.set_yticks([0, rows // 2, rows])
+        ax.set_xlabel("key of the tile")
+        ax.set_ylabel("row of the tile")
+        used = min(rows, group * lanes)
+        ax.set_title(
+            f"{lanes} lane{'s' * (lanes > 1)}: {used} of {rows} rows hold a query", fontsize=9
+        )
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, facecolor=colors[q % 10], label=f"query row {q}")
+        for q in range(group)
+    ]
+    handles += [
+        plt.Rectangle((0, 0), 1, 1, facecolor=colors[0], alpha=0.15, label="product dropped"),
+        plt.Rectangle((0, 0), 1, 1, facecolor="0.85", label="no query"),
+    ]
+    legend_below(fig, handles=handles, ncol=len(handles))
     return fig
