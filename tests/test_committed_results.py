@@ -1,5 +1,6 @@
 """What is committed under results/ (and the shipped allocation tables) says nothing about the
-machine it was made on, and the chapter sweeps hold no run from a dirty tree."""
+machine it was made on, the chapter sweeps hold no run from a dirty tree, and chapter 5's sweep
+draws every setting more than once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 from rqlib.base.paths import CHECKOUT
+from rqlib.book.draws import repeated_draws
+from rqlib.book.results import collect
 
 MACHINE_PATH = re.compile(r'"(/(?:work|home|root|tmp|Users|mnt|var)/[^"]*)"')
 
@@ -46,3 +49,12 @@ def test_committed_sweeps_hold_no_run_from_a_dirty_tree():
         or path.name.endswith(".dirty.json")
     ]
     assert not dirty, f"runs from a dirty tree are committed: {dirty}"
+
+
+def test_the_committed_sweep_draws_every_setting_more_than_once():
+    """Chapter 5 shows the range of each setting's draws (its noise floor), so the committed
+    sweep runs every setting with several seeds, the same number each."""
+    runs = collect("04_perplexity")
+    keys = ["key_bits", "method", "exact_window"]
+    summary = repeated_draws(runs, "delta_ppl_pct", keys, "seed")
+    assert summary["n_draws"].min() >= 2, "a setting of the committed sweep was drawn once"
