@@ -248,8 +248,9 @@ def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> Non
         dtype = aot.TRITON_DTYPES[arguments["sink_k_ptr"].dtype]
         config = next(
             c
-            for c in geo.ATTENTION_CONFIGS
-            if c.num_warps == keywords["num_warps"] and c.constexprs().items() <= constexprs.items()
+            for c in geo.tuned_configs()
+            if (c.num_warps, c.num_stages) == (keywords["num_warps"], keywords["num_stages"])
+            and c.constexprs().items() <= constexprs.items()
         )
         tiles = {*aot.ATTENTION_TILE, "BLOCK_V", "CHUNK", "LANES", *config.constexprs()}
         layout = {k: v for k, v in constexprs.items() if k not in tiles}
@@ -466,23 +467,29 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", lanes=bad)
 
 
-@pytest.mark.parametrize("index", range(len(geo.ATTENTION_CONFIGS)))
+@pytest.mark.parametrize("index", range(len(geo.tuned_configs())))
 def test_every_configuration_matches_the_torch_implementation(
     index, rng, recorded, monkeypatch, fresh_tuning
 ):
     """Interpreted, a launch takes the first configuration (nothing to time), which the test
-    above checks; a GPU may launch any of ``limits.ATTENTION_CONFIGS``, so each is forced here
+    above checks; a GPU may launch any of ``limits.tuned_configs()``, so each is forced here
     in turn, on the presets' format (2-bit values, read in pairs where the configuration says
-    so) and one of 4-bit keys and 3-bit values, and every launch is seen to run in it."""
-    config = geo.ATTENTION_CONFIGS[index]
+    so) and one of 4-bit keys and 3-bit values, and every launch is seen to run in it (the
+    interpreter ignores pipeline stages: what they change, a GPU compile, the AOT test
+    compiles)."""
+    config = geo.tuned_configs()[index]
     monkeypatch.setattr(geo, "ATTENTION_CONFIGS", (config,))
+    monkeypatch.setattr(geo, "PIPELINED_CONFIGS", ())
     wider = next(
         case for case in CASES if case.values == ("turboquant-mse", 3, {"rotation": "hadamard"})
     )
     for case in (CASES[0], wider):
         test_triton_attention_matches_the_torch_implementation(case, rng, recorded)
     for _, keywords in recorded.launches:
-        assert keywords["num_warps"] == config.num_warps
+        assert (keywords["num_warps"], keywords["num_stages"]) == (
+            config.num_warps,
+            config.num_stages,
+        )
         assert config.constexprs().items() <= keywords.items()
 
 
@@ -498,12 +505,13 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
     rng, monkeypatch, fresh_tuning
 ):
     """The formats are compile-time, so a GPU can launch a specialization the AOT test did not
-    compile. Before a layer format's first launch, each of ``limits.ATTENTION_CONFIGS`` is
+    compile. Before a layer format's first launch, each of ``limits.tuned_configs()`` is
     compiled (``warmup``; on a GPU Triton returns the compiled kernel with the registers it
     spills, the interpreter nothing); a configuration that spills is never launched, not even
     to be timed. Of those left, each is timed (``launch.BENCH``) and the fastest is kept for
-    the format's later launches of the same tuning key. When all spill, the last is launched
-    and a warning names the format, once. The stand-in bench says the later a configuration
+    the format's later launches of the same tuning key. When all spill, the last of
+    ``limits.ATTENTION_CONFIGS`` (before the pipelined ones) is launched and a warning names
+    the format, once. The stand-in bench says the later a configuration
     the faster, the opposite of the order of preference, so a tuner that kept the first that
     fits (or never timed) fails; one that timed a spilling kernel fails on ``timed``."""
 
@@ -520,14 +528,19 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
             self.n_spills = self.spills
             return None
 
-    configs = geo.ATTENTION_CONFIGS
+    configs = geo.tuned_configs()
     last = len(configs) - 1
+    fallback = configs.index(geo.ATTENTION_CONFIGS[-1])  # the one that fits every format
+    assert fallback < last  # the pipelined configurations come after it
     warmed, launched, timed = [], [], []
 
     def which(kwargs) -> int:
         """The index of the configuration a launch's keywords name."""
         config = geo.AttentionConfig(
-            kwargs["num_warps"], bool(kwargs["SCORE_TENSOR_CORES"]), bool(kwargs["VALUE_PAIRS"])
+            kwargs["num_warps"],
+            bool(kwargs["SCORE_TENSOR_CORES"]),
+            bool(kwargs["VALUE_PAIRS"]),
+            kwargs["num_stages"],
         )
         return configs.index(config)
 
@@ -578,7 +591,8 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
     assert warmed == [(i, bits) for bits in (2, 4, 3, 1) for i in every]
     # only where more than one fits, once, and never a spilling one
     assert timed == [(i, 3) for i in every] + [(i, 1) for i in every if i > 0]
-    assert launched == [(last, bits) for bits in (2, 4, 3, 1) for _ in range(2)]
+    expected = {2: fallback, 4: last, 3: last, 1: last}  # all spill: the fallback, warned
+    assert launched == [(expected[bits], bits) for bits in (2, 4, 3, 1) for _ in range(2)]
 
     # inside a CUDA graph capture nothing is timed (it would synchronize) or kept
     launch.reset_tuning()
@@ -617,7 +631,7 @@ def test_the_tuner_runs_in_the_interpreter_with_the_host_clock(rng, monkeypatch,
     expected = reference.attention(kernel_state, q.double(), mask, scale=0.1, dtype=torch.float64)
 
     got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
-    assert list(launch._CONFIG_OF.values()) == [geo.ATTENTION_CONFIGS[0]]
+    assert list(launch._CONFIG_OF.values()) == [geo.tuned_configs()[0]]
     assert relative_error(got, expected) <= TOLERANCE
 
     launch.reset_tuning()
@@ -632,7 +646,7 @@ def test_the_tuner_runs_in_the_interpreter_with_the_host_clock(rng, monkeypatch,
 
     monkeypatch.setattr(launch, "BENCH", bench)
     got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
-    assert len(measured) == len(geo.ATTENTION_CONFIGS)
+    assert len(measured) == len(geo.tuned_configs())
     fastest = min(measured, key=measured.get)
-    assert list(launch._CONFIG_OF.values()) == [geo.ATTENTION_CONFIGS[fastest]]
+    assert list(launch._CONFIG_OF.values()) == [geo.tuned_configs()[fastest]]
     assert relative_error(got, expected) <= TOLERANCE

@@ -388,21 +388,33 @@ def register_report(group: int, head_dim: int = 128) -> dict:
     theoretical occupancy ``att_blocks``, ``att_occupancy``, ``att_limit``), the same at head
     dimension 256 (``att_wide_spill``) and a prompt, in one lane (``att_prompt_spill``); and the
     configurations (``n_configs``, ``tensor_core_configs``, ``first_config``: warps, scores on
-    tensor cores, value pairs)."""
+    tensor cores, value pairs). The decode step's shared memory unpipelined (``att_smem``) and
+    in the ``n_pipelined`` pipelined configurations (``limits.PIPELINED_CONFIGS``): how many do
+    not spill (``pipelined_fits``), and the first's spill and shared memory
+    (``pipelined_first_spill``, ``pipelined_smem``: the first configuration in two stages)."""
     from rqlib.book import ptx, sass
     from rqlib.kernels import aot
     from rqlib.kernels import limits as geo
 
     lanes = geo.lanes(group)
 
-    def spec(d: int, lanes: int):
-        return aot.attention_specialization(sass.decode_layout(d, 3, 2, 11), "fp16", lanes=lanes)
+    def spec(d: int, lanes: int, config: geo.AttentionConfig = geo.ATTENTION_CONFIGS[0]):
+        layout = sass.decode_layout(d, 3, 2, 11)
+        return aot.attention_specialization(layout, "fp16", config, lanes)
 
     decode = spec(head_dim, lanes)
     compiled = ptx.compile_ptx(decode.label, 90)
     occupancy = aot.occupancy(compiled.registers, compiled.shared_bytes, decode.num_warps, 90)
     first = geo.ATTENTION_CONFIGS[0]
+    pipelined = [
+        ptx.compile_ptx(spec(head_dim, lanes, config).label, 90) for config in geo.PIPELINED_CONFIGS
+    ]
     return {
+        "att_smem": compiled.shared_bytes,
+        "n_pipelined": len(pipelined),
+        "pipelined_fits": sum(not kernel.spill_bytes for kernel in pipelined),
+        "pipelined_first_spill": pipelined[0].spill_bytes,
+        "pipelined_smem": pipelined[0].shared_bytes,
         "att_regs": compiled.registers,
         "att_spill": compiled.spill_bytes,
         "att_sm80_spill": ptx.compile_ptx(decode.label, 80).spill_bytes,

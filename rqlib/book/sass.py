@@ -296,16 +296,10 @@ def decode_layout(head_dim: int, key_bits: int, value_bits: int, norm_bits: int)
     """The compile-time arguments of a decode step in the presets' layout: keys and values
     stored as codes of the full head dimension (``key_bits`` and ``value_bits`` bits) with
     ``norm_bits``-bit norms, no QJL, and a recent band of 8-bit codes
-    (:func:`rqlib.kernels.limits.attention_formats`); no softcap."""
-    from rqlib.kernels import limits as geo
+    (:func:`rqlib.kernels.aot.coded_layout`); no softcap."""
+    from rqlib.kernels import aot
 
-    def codes(bits):
-        return geo.StreamFormat(dim=head_dim, bits=bits, norm_width=norm_bits)
-
-    formats = geo.attention_formats(
-        head_dim, codes(key_bits), codes(value_bits), codes(8), codes(8)
-    )
-    return {**formats, "SOFTCAP": 0}
+    return aot.coded_layout(head_dim, key_bits, value_bits, norm_bits)
 
 
 def _decode_spec(*layout: int, config: int = 0, exact: str = "fp16", lanes: int = 1):

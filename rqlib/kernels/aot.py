@@ -65,6 +65,8 @@ class Specialization:
         parts += [f"{k}:{v}" for k, v in self.pointers.items()]
         parts += [f"{k}=1" for k in self.ones]
         parts.append(f"num_warps={self.num_warps}")
+        if self.num_stages is not None:
+            parts.append(f"num_stages={self.num_stages}")
         return f"{self.kernel}[{', '.join(parts)}]"
 
 
@@ -89,6 +91,21 @@ ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr 
 #: centroids in the configuration's AttentionConfig.score_codebook_dtype
 ATTENTION_CODEBOOKS = "v_centroids_ptr bv_centroids_ptr".split()
 ATTENTION_SCORE_TABLES = "k_table_ptr bk_table_ptr".split()
+
+
+def coded_layout(
+    head_dim: int, key_bits: int = 3, value_bits: int = 2, norm_bits: int = 11
+) -> dict:
+    """The compile-time arguments of a layer whose keys and values are codes of the full head
+    dimension (``key_bits`` and ``value_bits`` bits) with ``norm_bits``-bit norms, no QJL, a
+    recent band of 8-bit codes and no softcap; the defaults are the presets' layout."""
+    fmt = geo.StreamFormat
+
+    def codes(bits):
+        return fmt(dim=head_dim, bits=bits, norm_width=norm_bits)
+
+    layout = geo.attention_formats(head_dim, codes(key_bits), codes(value_bits), codes(8), codes(8))
+    return {**layout, "SOFTCAP": 0}
 
 
 def attention_layouts() -> list[tuple[dict, str]]:
@@ -118,9 +135,7 @@ def attention_layouts() -> list[tuple[dict, str]]:
     layouts = []
     for dtype in ("fp16", "bf16", "fp32"):
         for d in geo.SUPPORTED_HEAD_DIMS:
-            band = codes(d, 8)
-            layout = formats(d, codes(d, 3), codes(d, 2), band, band)
-            layouts.append((capped(layout), dtype))
+            layouts.append((coded_layout(d), dtype))
         layouts.append((capped(formats(128, exact, exact, None, None)), dtype))
     bands = (None, exact, "codes keys", "codes")
     for bits in range(1, geo.MAX_MSE_BITS + 1):
@@ -175,7 +190,7 @@ def attention_specialization(
         constexprs,
         pointers,
         num_warps=config.num_warps,
-        num_stages=geo.ATTENTION_NUM_STAGES,
+        num_stages=config.num_stages,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )
 
@@ -196,9 +211,28 @@ def attention_groups() -> list[list[Specialization]]:
     ]
 
 
+#: head dimensions whose presets' layout is also compiled software-pipelined
+PIPELINED_HEAD_DIMS = (64, 128)
+
+
+def pipelined_specializations() -> list[Specialization]:
+    """The presets' layout (3-bit keys, 2-bit values, a band of 8-bit codes, 11-bit norms,
+    fp16 exact streams) at :data:`PIPELINED_HEAD_DIMS`, in a decode step's lanes and a
+    prompt's, in each of ``limits.PIPELINED_CONFIGS``: the configurations a launch reaches only
+    where it is timed (``launch.attention_config``), so that they are known to compile, and
+    their registers and spills are reported."""
+    return [
+        attention_specialization(coded_layout(d), "fp16", config, lanes)
+        for d in PIPELINED_HEAD_DIMS
+        for lanes in (max(LANES), 1)
+        for config in geo.PIPELINED_CONFIGS
+    ]
+
+
 def specializations() -> list[Specialization]:
     """Every constexpr / pointer-type combination the host code in launch.py can launch: the
-    fused-score, quantize and reduce kernels, and every group of :func:`attention_groups`."""
+    fused-score, quantize and reduce kernels, every group of :func:`attention_groups` and the
+    pipelined configurations of :func:`pipelined_specializations`."""
     specs = [
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS),
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS, ones=("group", "q_len")),
@@ -211,7 +245,8 @@ def specializations() -> list[Specialization]:
             "reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS
         ),
     ]
-    return specs + [spec for group in attention_groups() for spec in group]
+    groups = [spec for group in attention_groups() for spec in group]
+    return specs + groups + pipelined_specializations()
 
 
 def kernel_objects() -> dict:
@@ -360,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     """Compile for the archs given as arguments (default: every supported one); one JSON line
     each. The fused-score, quantize and reduce kernels compile every specialization; each group
     of :func:`attention_groups` compiles its configurations in order until one does not spill
-    (what a launch runs where nothing is timed), each record naming its group."""
+    (what a launch runs where nothing is timed), each record naming its group; the pipelined
+    configurations of :func:`pipelined_specializations` are compiled too, their records
+    marked ``pipelined`` (a spill there is reported, not a failure: the tuner drops it)."""
     archs = [int(a) for a in (argv if argv is not None else sys.argv[1:])] or supported_archs()
     kernels = kernel_objects()
     failures = 0
@@ -369,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for arch in archs:
             record = compile_one(kernels[spec.kernel], spec, arch)
+            failures += not record["ok"]
+            print(json.dumps(record), flush=True)
+    for spec in pipelined_specializations():
+        for arch in archs:
+            record = compile_one(kernels[spec.kernel], spec, arch)
+            record["pipelined"] = True
             failures += not record["ok"]
             print(json.dumps(record), flush=True)
     for group in attention_groups():

@@ -400,7 +400,6 @@ def attention(
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.ATTENTION_BLOCK_S,
         CHUNK=geo.attention_chunk(block_v),
-        num_stages=geo.ATTENTION_NUM_STAGES,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )
     layer_format = (tuple(compile_time.items()), lanes, block_v, exact_dtype, device)
@@ -408,7 +407,11 @@ def attention(
         layer_format, tuning_key(n_row_blocks, span), grid, arguments, options
     )
     attention_kernel[grid](
-        *arguments(config), **options, **config.constexprs(), num_warps=config.num_warps
+        *arguments(config),
+        **options,
+        **config.constexprs(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
@@ -452,8 +455,9 @@ def tuning_key(row_blocks: int, span: int) -> tuple[bool, int]:
 def attention_config(
     layer_format: tuple, key: tuple, grid, arguments, options
 ) -> geo.AttentionConfig:
-    """The configuration of ``limits.ATTENTION_CONFIGS`` a launch of ``layer_format`` runs in,
-    tuned once per :func:`tuning_key` ``key`` and kept.
+    """The configuration of ``limits.tuned_configs()`` a launch of ``layer_format`` runs in
+    (warps, tensor cores or not, value pairs or not, pipeline stages), tuned once per
+    :func:`tuning_key` ``key`` and kept.
 
     Each configuration is compiled without being launched (``warmup``: Triton caches the
     kernel, so later launches do not compile again) and one that spills registers to local
@@ -465,12 +469,15 @@ def attention_config(
     and the values read) and the key is a bucket of the context, which is not a kernel
     argument.
 
-    When every configuration spills (slower, not wrong), the last is taken and a warning
-    names the format, once. The formats of a layer are compile-time, so a model can launch a
-    specialization ``tests/test_kernels_aot.py`` did not compile; this is where its spill
-    shows. An interpreted kernel compiles nothing: without a :data:`BENCH` it takes the first
-    configuration, and so does a launch while a CUDA graph is captured (:func:`_capturing_graph`).
-    ``arguments`` gives the launch's positional arguments in a configuration."""
+    The software-pipelined configurations (``limits.PIPELINED_CONFIGS``) come last: where
+    nothing is timed, one runs only when no other configuration fits. When every
+    configuration spills (slower, not wrong), the last of ``limits.ATTENTION_CONFIGS`` is
+    taken and a warning names the format, once. The formats of a layer are compile-time, so a
+    model can launch a specialization ``tests/test_kernels_aot.py`` did not compile; this is
+    where its spill shows. An interpreted kernel compiles nothing: without a :data:`BENCH` it
+    takes the first configuration, and so does a launch while a CUDA graph is captured
+    (:func:`_capturing_graph`). ``arguments`` gives the launch's positional arguments in a
+    configuration."""
     if (layer_format, key) in _CONFIG_OF:
         return _CONFIG_OF[(layer_format, key)]
 
@@ -483,10 +490,11 @@ def attention_config(
             **options,
             **config.constexprs(),
             num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
 
-    fits, spills = [], 0
-    for config in geo.ATTENTION_CONFIGS:
+    fits = []
+    for config in geo.tuned_configs():
         if (layer_format, config) not in _SPILLS:
             compiled = run(config, compile_only=True)
             _SPILLS[(layer_format, config)] = (
@@ -499,7 +507,8 @@ def attention_config(
             break
     if not fits:
         if layer_format not in _WARNED:
-            _warn_spills(layer_format, geo.ATTENTION_CONFIGS[-1], spills)
+            fallback = geo.ATTENTION_CONFIGS[-1]
+            _warn_spills(layer_format, fallback, _SPILLS[(layer_format, fallback)])
             _WARNED.add(layer_format)
         fits = [geo.ATTENTION_CONFIGS[-1]]
     chosen = fits[0]

@@ -56,7 +56,10 @@ BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
 MAX_LANES = 4
 BLOCK_N = 16  # vectors per quantize program
 NUM_WARPS = 8  # scores and quantize kernels
-ATTENTION_NUM_STAGES = 1  # no software pipelining: its prefetched tiles spill on sm_80
+#: pipeline stages of the attention kernel's loops in the configurations taken untimed; the
+#: pipelined ones (PIPELINED_STAGES) are tried only where launches are timed
+ATTENTION_NUM_STAGES = 1
+PIPELINED_STAGES = 2  # the next tile's loads in flight while this one is computed
 ATTENTION_MAX_REGISTERS = 255  # ptxas would cap a narrow tile at 128 (two blocks an SM) and
 # spill; the attention kernel takes the registers it needs instead (one block an SM)
 REDUCE_NUM_WARPS = 4
@@ -73,12 +76,16 @@ class AttentionConfig:
     """How an attention program runs: its warps, whether the scores of codes run on fp16
     tensor cores (``triton_common.split_dot``) or on the CUDA cores, and whether the values'
     centroids are read two a load from a table of centroid pairs
-    (``numerics.kernel_table``; the keys' always are) or one a load from the codebook. All
-    compute the same sums to float32 accuracy; they differ in instructions and registers."""
+    (``numerics.kernel_table``; the keys' always are) or one a load from the codebook, and in
+    how many pipeline stages its loops run (``num_stages`` > 1: Triton's software pipelining
+    issues the loads of the next key tile, staged in shared memory, while this one is
+    computed). All compute the same sums to float32 accuracy; they differ in instructions,
+    registers and shared memory."""
 
     num_warps: int
     score_tensor_cores: bool
     value_pairs: bool = False
+    num_stages: int = ATTENTION_NUM_STAGES
 
     @property
     def score_codebook_dtype(self) -> torch.dtype:
@@ -112,6 +119,23 @@ ATTENTION_CONFIGS = (
     AttentionConfig(4, True),
     AttentionConfig(8, False),
 )
+#: The tensor-core configurations again, software-pipelined. A prefetched tile costs registers
+#: and shared memory, and whether hiding the loads' latency is worth them depends on the GPU and
+#: the context, so they are never taken untimed (after ATTENTION_CONFIGS, whose last fits every
+#: format): where launches are timed, each is compiled, dropped if it spills, and timed with the
+#: others (``launch.attention_config``).
+PIPELINED_CONFIGS = tuple(
+    dataclasses.replace(config, num_stages=PIPELINED_STAGES)
+    for config in ATTENTION_CONFIGS
+    if config.score_tensor_cores
+)
+
+
+def tuned_configs() -> tuple[AttentionConfig, ...]:
+    """Every configuration a launch may run, in order of preference where nothing is timed:
+    :data:`ATTENTION_CONFIGS`, then :data:`PIPELINED_CONFIGS` (read when called, so that a
+    study that narrows either tuple narrows the tuner too)."""
+    return ATTENTION_CONFIGS + PIPELINED_CONFIGS
 
 
 def lanes(rows: int) -> int:

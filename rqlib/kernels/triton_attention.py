@@ -64,9 +64,10 @@ all spill, see ``launch.attention_config``): a run-time branch inside a loop kee
 registers of both sides live, so the mask and the window are selected arithmetically.
 Accumulators wider than 256 columns (a rotor's padded width at head_dim 256), or between 128
 and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program each, which
-recompute the same scores. The loops are not software-pipelined
-(``limits.ATTENTION_NUM_STAGES``): the prefetched tiles spill on sm_80. And a thread may take
-up to 255 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column
+recompute the same scores. The loops run software-pipelined only in the configurations a
+launch times (``limits.PIPELINED_CONFIGS``): the next tile's loads in flight cost registers
+and shared memory, and some formats spill with them. And a thread may take up to 255
+registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column
 tile at 128 to fit two blocks an SM, and spill.
 
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
