@@ -80,3 +80,14 @@ def test_only_pairs_whose_ranges_do_not_overlap_are_told_apart():
         in (numbers["apart_phrase"])
     )
     assert "at the widest (key_bits = 2, method = mse, exact_window = 0" in numbers["spread_phrase"]
+
+
+def test_the_spread_is_told_in_the_metric_s_own_name(rng):
+    """The page names a metric as its tables do (``results.metric_label``), not by its column:
+    ΔPPL % for ``delta_ppl_pct``, and a column with no label by itself."""
+    draws = (torch.rand(2, 3, generator=rng) + 1).tolist()
+    runs = sweep({(b, "mse", 0): draws[b] for b in range(2)})
+    for column, name in (("delta_ppl_pct", "ΔPPL %"), ("kl", "KL (nats)"), ("d", "d")):
+        summary = repeated_draws(runs.rename(columns={"d": column}), column, KEYS, "seed")
+        phrase = noise_numbers(summary, column, *KEYS)["spread_phrase"]
+        assert phrase.startswith(f"Their range, in {name}, is "), phrase

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from rqlib.book.results import metric_label
+
 __all__ = ["noise_numbers", "repeated_draws", "told_apart"]
 
 
@@ -88,9 +90,9 @@ def noise_numbers(summary: pd.DataFrame, metric: str, rows: str, columns: str, p
     where = ", ".join(f"{name} = {widest[name]}" for name in (rows, columns, panels))
     return {
         "n_draws": n_draws,
-        "spread_phrase": f"Their range is {spread.median():.3g} ({metric}) at the median setting "
-        f"and {spread.max():.3g} at the widest ({where}, around a median of "
-        f"{widest['median']:.3g})",
+        "spread_phrase": f"Their range, in {metric_label(metric)}, is {spread.median():.3g} at "
+        f"the median setting and {spread.max():.3g} at the widest ({where}, around a median "
+        f"of {widest['median']:.3g})",
         "apart_phrase": f"of the {pairs} pairs of {columns} values at the same {rows} and "
         f"{panels}, {apart} do",
     }

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rqlib.book.results import results_dir
+from rqlib.book.results import metric_label, results_dir
 from rqlib.spec.presets import PEER_TARGETS, TARGETS
 
 __all__ = [
@@ -43,6 +43,23 @@ __all__ = [
     "sweep_command",
     "top_levers",
 ]
+
+#: How the results tables print each metric of a run, by metric (headers: ``metric_label``).
+METRIC_FORMATS = {
+    "bits_mean": "{:.3f}",
+    "delta_ppl_pct": "{:+.2f}",
+    "kl": "{:.4f}",
+    "top1": "{:.3f}",
+}
+
+
+def _metric_headers() -> dict[str, str]:
+    return {metric: metric_label(metric) for metric in METRIC_FORMATS}
+
+
+def _metric_formats() -> dict[str, str]:
+    return {metric_label(metric): form for metric, form in METRIC_FORMATS.items()}
+
 
 #: Short name of each packaged model in results file names -> its name in the book.
 MODELS = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
@@ -139,21 +156,8 @@ def preset_table(frames: dict[str, pd.DataFrame]):
 
     both = pd.concat([f.assign(model=MODELS[m]) for m, f in frames.items()], ignore_index=True)
     shown, notes = with_spec_notes(both[both["role"] == "preset"])
-    headers = {
-        "model": "model",
-        "preset": "preset",
-        "bits_mean": "bits per K+V coord.",
-        "delta_ppl_pct": "ΔPPL %",
-        "kl": "KL (nats)",
-        "top1": "top-1",
-        "spec": "spec",
-    }
-    formats = {
-        "bits per K+V coord.": "{:.3f}",
-        "ΔPPL %": "{:+.2f}",
-        "KL (nats)": "{:.4f}",
-        "top-1": "{:.3f}",
-    }
+    headers = {"model": "model", "preset": "preset", **_metric_headers(), "spec": "spec"}
+    formats = _metric_formats()
     caption = "Presets, keys and values compressed"
     return styled(shown, headers, formats, caption=caption), notes
 
@@ -555,20 +559,14 @@ def headline_styled(table: pd.DataFrame, caption: str):
 
     headers = {
         "method": "method",
-        "bits_mean": "bits per K+V coord.",
-        "delta_ppl_pct": "ΔPPL %",
-        "kl": "KL (nats)",
-        "top1": "top-1",
+        **_metric_headers(),
         "decode_run": "decode measured in",
         "prefill_delta_ppl_pct": "one forward: ΔPPL %",
         "prefill_kl": "one forward: KL",
         "windows": "windows",
     }
     formats = {
-        "bits per K+V coord.": "{:.3f}",
-        "ΔPPL %": "{:+.2f}",
-        "KL (nats)": "{:.4f}",
-        "top-1": "{:.3f}",
+        **_metric_formats(),
         "one forward: ΔPPL %": "{:+.2f}",
         "one forward: KL": "{:.4f}",
     }

@@ -43,6 +43,7 @@ __all__ = [
     "collect",
     "common_provenance",
     "glue_metrics",
+    "metric_label",
     "results_dir",
     "save_result",
 ]
@@ -62,6 +63,20 @@ PROVENANCE_COLUMNS = (
     "code",
     "chapter_code",
 )
+#: How the book names the metrics a chapter saves, in tables, axes and prose.
+METRIC_LABELS = {
+    "delta_ppl_pct": "ΔPPL %",
+    "kl": "KL (nats)",
+    "top1": "top-1",
+    "bits_mean": "bits per K+V coord.",
+}
+
+
+def metric_label(metric: str) -> str:
+    """The name the book gives ``metric`` (:data:`METRIC_LABELS`), else the column's own."""
+    return METRIC_LABELS.get(metric, metric)
+
+
 #: What makes two runs comparable: the same model, weights, text and number of tokens.
 CONTENT_COLUMNS = ("prov_model", "prov_weights", "prov_corpus_sha256", "prov_tokens")
 DIRTY_SUFFIX = ".dirty"
