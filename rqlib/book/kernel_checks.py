@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from rqlib import kernels
-from rqlib.book.checks import relative_error
+from rqlib.book.checks import either, relative_error
 from rqlib.core.packing import pack_bits
 from rqlib.core.quantizers import make_quantizer
 from rqlib.kernels import numerics, reference
@@ -391,7 +391,8 @@ def register_report(group: int, head_dim: int = 128) -> dict:
     tensor cores, value pairs). The decode step's shared memory unpipelined (``att_smem``) and
     in the ``n_pipelined`` pipelined configurations (``limits.PIPELINED_CONFIGS``): how many do
     not spill (``pipelined_fits``), and the first's spill and shared memory
-    (``pipelined_first_spill``, ``pipelined_smem``: the first configuration in two stages)."""
+    (``pipelined_first_spill``, ``pipelined_smem``: the first configuration in two stages; in
+    words, ``pipelined_first_phrase``)."""
     from rqlib.book import ptx, sass
     from rqlib.kernels import aot
     from rqlib.kernels import limits as geo
@@ -414,6 +415,11 @@ def register_report(group: int, head_dim: int = 128) -> dict:
         "n_pipelined": len(pipelined),
         "pipelined_fits": sum(not kernel.spill_bytes for kernel in pipelined),
         "pipelined_first_spill": pipelined[0].spill_bytes,
+        "pipelined_first_phrase": either(
+            pipelined[0].spill_bytes > 0,
+            f"spills {pipelined[0].spill_bytes} bytes a thread",
+            "fits too",
+        ),
         "pipelined_smem": pipelined[0].shared_bytes,
         "att_regs": compiled.registers,
         "att_spill": compiled.spill_bytes,
