@@ -3,11 +3,12 @@ they tell apart.
 
 A sweep that runs every setting once shows one draw of a noisy number. Perplexity over a
 single window of a few hundred tokens moves when the random rotations and sketches are drawn
-again (the ``seed`` of chapter 4), and even when the same code runs on another CPU, whose float
-sums round otherwise and flip a few codes at their decision boundaries. Run each setting
-several times with another draw and the spread of the draws is the noise floor of the sweep:
-:func:`repeated_draws` summarizes the draws of each setting, and :func:`told_apart` counts the
-pairs of settings whose ranges do not overlap, the only ones the sweep can rank.
+again (chapter 4 takes the number that draws them as a parameter), and even when the same
+code runs on another CPU, whose float sums round otherwise and flip a few codes at their
+decision boundaries. Run each setting several times with another draw and the spread of the
+draws is the noise floor of the sweep: :func:`repeated_draws` summarizes the draws of each
+setting, and :func:`told_apart` counts the pairs of settings whose ranges do not overlap, the
+only ones the sweep can rank.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def noise_numbers(summary: pd.DataFrame, metric: str, rows: str, columns: str, p
         return {
             "n_draws": n_draws,
             "spread_phrase": "Each setting of these runs was drawn once, so this page cannot show "
-            "how far a setting moves when it is drawn again: sweep the seed too (-p seed 0 1 2)",
+            "how far a setting moves when it is drawn again: sweep each setting with other "
+            "draws of its rotations too, as make sweep does",
             "apart_phrase": "with one draw a setting, no comparison can be trusted to the last "
             "digit shown",
         }

@@ -390,9 +390,8 @@ def register_report(group: int, head_dim: int = 128) -> dict:
     configurations (``n_configs``, ``tensor_core_configs``, ``first_config``: warps, scores on
     tensor cores, value pairs). The decode step's shared memory unpipelined (``att_smem``) and
     in the ``n_pipelined`` pipelined configurations (``limits.PIPELINED_CONFIGS``): how many do
-    not spill (``pipelined_fits``), and the first's spill and shared memory
-    (``pipelined_first_spill``, ``pipelined_smem``: the first configuration in two stages; in
-    words, ``pipelined_first_phrase``)."""
+    not spill (``pipelined_fits``), and the first's spill in words and its shared memory
+    (``pipelined_first_phrase``, ``pipelined_smem``: the first configuration in two stages)."""
     from rqlib.book import ptx, sass
     from rqlib.kernels import aot
     from rqlib.kernels import limits as geo
@@ -414,7 +413,6 @@ def register_report(group: int, head_dim: int = 128) -> dict:
         "att_smem": compiled.shared_bytes,
         "n_pipelined": len(pipelined),
         "pipelined_fits": sum(not kernel.spill_bytes for kernel in pipelined),
-        "pipelined_first_spill": pipelined[0].spill_bytes,
         "pipelined_first_phrase": either(
             pipelined[0].spill_bytes > 0,
             f"spills {pipelined[0].spill_bytes} bytes a thread",
