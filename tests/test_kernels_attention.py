@@ -153,6 +153,19 @@ CASES = [
     ),
     Case("dense mask", band="exact", n_sink=1, window=4, dense=True),
 ]
+#: keys over several tiles of every size (limits.WIDE_TILE_CONFIGS: up to 64 keys) and
+#: several splits, in a sliding window whose first key is on no tile's boundary
+LONG_CASE = Case(
+    "presets' format in a sliding window over several wide tiles",
+    band=8,
+    n_sink=1,
+    window=6,
+    mean=True,
+    norm_mantissa=6,
+    sliding=90,
+    kv_heads=1,
+    steps=((0, 150), (150, 151), (151, 152), (152, 155)),
+)
 
 
 def codec(spec, d, rng, mean=None, scale=None, nm=None) -> VectorCodec:
@@ -236,7 +249,8 @@ def recorded(monkeypatch) -> RecordedKernel:
 def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> None:
     """Every launch is the specialization ``aot.attention_specialization`` builds for its
     formats: the same compile-time arguments, exact-vector dtype, warps, pipeline stages and
-    register cap, so the AOT test (which checks for spills) compiles what a GPU would launch.
+    register cap, so the AOT test (which checks for spills) compiles what a GPU would launch;
+    its splits start and end on its key tiles.
     With ``listed``, the launch is also one of the specializations that test compiles."""
     specs = {spec.label for spec in aot.specializations()}
     assert recorder.launches
@@ -256,6 +270,10 @@ def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> Non
         layout = {k: v for k, v in constexprs.items() if k not in tiles}
         expected = aot.attention_specialization(layout, dtype, config, constexprs["LANES"])
         assert constexprs == expected.constexprs
+        # splits are whole key tiles of the configuration (a split that starts inside a tile
+        # reads keys that it masks, right but wasted)
+        assert arguments["split_lo"] % config.block_s == 0
+        assert arguments["partition"] % config.block_s == 0
         for name in (*aot.ATTENTION_CODEBOOKS, *aot.ATTENTION_SCORE_TABLES):
             assert aot.POINTER_DTYPES[arguments[name].dtype] == expected.pointers[name], name
         assert options == (expected.num_warps, expected.num_stages, expected.maxnreg)
@@ -364,12 +382,13 @@ def walk_ring_kernel(out_ptr, lo, hi, capacity, BLOCK_S: tl.constexpr, LANES: tl
         row += BLOCK_S
 
 
-def ring_walk_errors(lo: int, hi: int, capacity: int, lanes: int = 1) -> list[str]:
+def ring_walk_errors(
+    lo: int, hi: int, capacity: int, lanes: int = 1, block: int = geo.ATTENTION_BLOCK_S
+) -> list[str]:
     """What is wrong with the kernel's walk over keys ``lo .. hi - 1`` of a ring in ``lanes``
-    lanes: a key read twice, missed or out of order, a slot outside the ring or not
-    ``key % capacity``, a tile that does not start on a multiple of the tile size, a tile
-    with nothing to read."""
-    block = geo.ATTENTION_BLOCK_S
+    lanes and tiles of ``block`` keys: a key read twice, missed or out of order, a slot outside
+    the ring or not ``key % capacity``, a tile that does not start on a multiple of the tile
+    size, a tile with nothing to read."""
     rows = (max(hi - lo, 0) // block + 2) * block
     out = torch.full((rows, 3), -1, dtype=torch.int32)
     walk_ring_kernel[(1,)](out, lo, hi, capacity, BLOCK_S=block, LANES=lanes)
@@ -393,24 +412,26 @@ def test_the_kernel_walks_each_ring_key_once_in_its_slot_and_never_past_the_ring
     """The loops of the attention kernel read whole tiles of a ring without masks, so every key
     of every tile must lie inside the ring, in slot ``key % capacity``, and the keys it reads,
     over all lanes, must be exactly the loop's range. Checked on random ranges (up to a full
-    ring, crossing its end, empty) in 1, 2 and 4 lanes, and rejecting a ring whose capacity is
-    not a multiple of the tile."""
-    block = geo.ATTENTION_BLOCK_S
-    cases = [(5, 5, block), (9, 3, block), (0, block, block)]
-    for _ in range(40):
-        capacity = block * int(torch.randint(1, 9, (1,), generator=rng))
-        lo = int(torch.randint(0, 10 * capacity, (1,), generator=rng))
-        length = int(torch.randint(0, capacity + 1, (1,), generator=rng))
-        cases.append((lo, lo + length, capacity))
-    for (lo, hi, capacity), lanes in itertools.product(cases, aot.LANES):
-        assert ring_walk_errors(lo, hi, capacity, lanes) == [], (lo, hi, capacity, lanes)
+    ring, crossing its end, empty) in 1, 2 and 4 lanes and in every tile size a configuration
+    has, and rejecting a ring whose capacity is not a multiple of the tile."""
+    for block in sorted({config.block_s for config in geo.tuned_configs()}):
+        cases = [(5, 5, block), (9, 3, block), (0, block, block)]
+        for _ in range(15):
+            capacity = block * int(torch.randint(1, 5, (1,), generator=rng))
+            lo = int(torch.randint(0, 10 * capacity, (1,), generator=rng))
+            length = int(torch.randint(0, capacity + 1, (1,), generator=rng))
+            cases.append((lo, lo + length, capacity))
+        for (lo, hi, capacity), lanes in itertools.product(cases, aot.LANES):
+            errors = ring_walk_errors(lo, hi, capacity, lanes, block)
+            assert errors == [], (lo, hi, capacity, lanes, block)
     # the check can fail: with 24 slots (not a multiple of 16) a tile crosses the ring's end
-    assert any("outside the ring" in e for e in ring_walk_errors(20, 40, block + 8))
+    assert any("outside the ring" in e for e in ring_walk_errors(20, 40, 24))
 
 
 def test_a_ring_the_kernel_would_read_past_is_refused(rng):
-    """A ring whose capacity is not a multiple of the key tile, or whose norm stream lacks
-    its spare bytes, is refused at launch with the stream named, not read past its end."""
+    """A ring whose capacity is not a multiple of the widest key tile, or whose norm stream
+    lacks its spare bytes, is refused at launch with the stream named, not read past its
+    end."""
     d = 64
     keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
     mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
@@ -422,10 +443,11 @@ def test_a_ring_the_kernel_would_read_past_is_refused(rng):
         return layer
 
     state = layer().state()
-    for stream in (state.keys, state.values):
-        stream.rings[0]._reallocate(geo.ATTENTION_BLOCK_S + 8, keep_from=0)
-    with pytest.raises(ValueError, match="the keys ring has 24 slots.*multiple"):
-        kernels.attention(state, q, mask, scale=0.1, backend="triton")
+    for slots in (24, 48):  # 48: whole tiles of 16 keys, not of the widest (64)
+        for stream in (state.keys, state.values):
+            stream.rings[0]._reallocate(slots, keep_from=0)
+        with pytest.raises(ValueError, match=f"the keys ring has {slots} slots.*multiple of 64"):
+            kernels.attention(state, q, mask, scale=0.1, backend="triton")
     state = layer().state()
     ring = state.values.rings[0]
     ring.buffers["norms"] = ring.buffers["norms"][..., :-NORM_TAIL]
@@ -467,6 +489,54 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", lanes=bad)
 
 
+def test_an_explicit_partition_is_tuned_over_the_tiles_that_divide_it(
+    rng, recorded, monkeypatch, fresh_tuning
+):
+    """A partition of 16 keys is whole tiles only of the 16-key configurations, so only they
+    are timed; one of 128 keys, of every configuration. The stand-in bench makes the widest
+    tile the fastest, so the step then runs in tiles of 64 keys, in splits of whole tiles, and
+    equals the reference. A partition that no configuration divides is refused."""
+    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 512)
+    d, total = 64, 200
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    quantizer = make_quantizer("turboquant-mse", d, 3, seed=seed)
+    codec = VectorCodec([ChannelPart(quantizer, None)], d)
+    layer = CompressedLayer(0, codec, codec, 1, 5)  # a sink and an exact band
+    layer.active = True
+    keys, values = torch.randn(2, 1, 1, total, d, generator=rng)
+    layer.update(keys, values)
+    state = dataclasses.replace(layer.state(), start=total - 1)
+    mask = CausalMask(1, total - 1, 1, 0, total)
+    q = torch.randn(1, 2, 1, d, generator=rng)
+    kernel_state = numerics.on_kernel_codebook(state)
+    expected = reference.attention(kernel_state, q.double(), mask, scale=0.1, dtype=torch.float64)
+    timed = []
+
+    def bench(run):  # the wider the tile, the faster
+        run()
+        keywords = recorded.launches.pop()[1]
+        timed.append(keywords["BLOCK_S"])
+        return 1.0 / keywords["BLOCK_S"]
+
+    monkeypatch.setattr(launch, "BENCH", bench)
+    tiles = [config.block_s for config in geo.tuned_configs()]
+    # 200 keys in splits of at most 128: two of 112 keys in tiles of 16, of 128 in tiles of 64
+    for partition, tile, splits in ((16, 16, 13), (128, 64, 2)):
+        timed.clear(), recorded.launches.clear()
+        got = kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=partition)
+        assert timed == [tile for tile in tiles if partition % tile == 0]
+        assert relative_error(got, expected) <= TOLERANCE
+        [(arguments, keywords)] = recorded.launches
+        assert keywords["BLOCK_S"] == tile
+        assert (arguments["partition"], arguments["n_splits"]) == (partition, splits)
+    assert_compiled_ahead_of_time(recorded, listed=False)
+    monkeypatch.setattr(geo, "ATTENTION_CONFIGS", geo.WIDE_TILE_CONFIGS[1:])
+    monkeypatch.setattr(geo, "PIPELINED_CONFIGS", ())
+    monkeypatch.setattr(geo, "WIDE_TILE_CONFIGS", ())
+    with pytest.raises(ValueError, match=r"partition 32 is a whole number of key tiles in none"):
+        kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=32)
+
+
 @pytest.mark.parametrize("index", range(len(geo.tuned_configs())))
 def test_every_configuration_matches_the_torch_implementation(
     index, rng, recorded, monkeypatch, fresh_tuning
@@ -476,14 +546,17 @@ def test_every_configuration_matches_the_torch_implementation(
     in turn, on the presets' format (2-bit values, read in pairs where the configuration says
     so) and one of 4-bit keys and 3-bit values, and every launch is seen to run in it (the
     interpreter ignores pipeline stages: what they change, a GPU compile, the AOT test
-    compiles)."""
+    compiles). A configuration of wider key tiles also runs a longer sliding window, over
+    several of its tiles and splits."""
     config = geo.tuned_configs()[index]
     monkeypatch.setattr(geo, "ATTENTION_CONFIGS", (config,))
     monkeypatch.setattr(geo, "PIPELINED_CONFIGS", ())
+    monkeypatch.setattr(geo, "WIDE_TILE_CONFIGS", ())
     wider = next(
         case for case in CASES if case.values == ("turboquant-mse", 3, {"rotation": "hadamard"})
     )
-    for case in (CASES[0], wider):
+    cases = (CASES[0], wider) + ((LONG_CASE,) if config.block_s > geo.ATTENTION_BLOCK_S else ())
+    for case in cases:
         test_triton_attention_matches_the_torch_implementation(case, rng, recorded)
     for _, keywords in recorded.launches:
         assert (keywords["num_warps"], keywords["num_stages"]) == (
@@ -531,7 +604,7 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
     configs = geo.tuned_configs()
     last = len(configs) - 1
     fallback = configs.index(geo.ATTENTION_CONFIGS[-1])  # the one that fits every format
-    assert fallback < last  # the pipelined configurations come after it
+    assert fallback < last  # the pipelined and wide-tile configurations come after it
     warmed, launched, timed = [], [], []
 
     def which(kwargs) -> int:
@@ -541,6 +614,7 @@ def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kep
             bool(kwargs["SCORE_TENSOR_CORES"]),
             bool(kwargs["VALUE_PAIRS"]),
             kwargs["num_stages"],
+            kwargs["BLOCK_S"],
         )
         return configs.index(config)
 

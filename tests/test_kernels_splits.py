@@ -27,6 +27,21 @@ KEY_BYTES = 2 * (128 * 3 + 11) / 8  # 98.75 bytes of K and V per key position an
 PARTIAL = 2 * 4 * 4 * (3 * 2 + 128) * 4
 
 
+def random_tile(rng) -> int:
+    """The key tile of a random configuration a launch may tune over."""
+    tiles = sorted({config.block_s for config in geo.tuned_configs()})
+    return tiles[int(torch.randint(0, len(tiles), (1,), generator=rng))]
+
+
+def test_every_key_tile_divides_a_ring_and_the_splits():
+    """Rings are multiples of RING_GRANULE slots (rqlib.kernels.store), so a tile of any
+    configuration ends inside its ring; the default split is whole tiles of each."""
+    tiles = {config.block_s for config in geo.tuned_configs()}
+    assert max(tiles) == geo.widest_tile() and min(tiles) == geo.ATTENTION_BLOCK_S
+    assert all(geo.RING_GRANULE % tile == 0 for tile in tiles)
+    assert all(geo.DEFAULT_PARTITION % tile == 0 for tile in tiles)
+
+
 def test_partial_bytes_by_hand():
     assert geo.lanes(4) == 4
     assert geo.partial_bytes(4, 128, 4) == PARTIAL == 17152
@@ -78,8 +93,9 @@ def test_every_plan_covers_the_keys_fills_no_more_than_asked_and_bounds_the_part
         sm_count = int(torch.randint(1, 200, (1,), generator=rng))
         key_bytes = float(torch.randint(20, 2000, (1,), generator=rng))
         partial = int(torch.randint(0, 100_000, (1,), generator=rng))
-        splits, partition = geo.decode_splits(span, programs, sm_count, partial, key_bytes)
-        assert partition % geo.ATTENTION_BLOCK_S == 0 and partition >= geo.ATTENTION_BLOCK_S
+        block = random_tile(rng)
+        splits, partition = geo.decode_splits(span, programs, sm_count, partial, key_bytes, block)
+        assert partition % block == 0 and partition >= block
         assert splits * partition >= span > (splits - 1) * partition
         assert splits <= max(1, math.ceil(geo.SPLIT_WAVES * sm_count / programs))
         if splits > 1:
@@ -111,6 +127,8 @@ def test_the_launch_plans_from_the_layer_bytes_and_the_device_sm_count(rng, monk
     cpu = torch.device("cpu")
     assert launch.split_plan(state, 32768, 1, 4, 4, 128, cpu, None) == (33, 1008)
     assert launch.split_plan(state, 32768, 1, 4, 4, 128, cpu, 512) == (64, 512)
+    # in tiles of 64 keys: 32768 / 33 = 993 keys rounds up to 1024, so 32 splits
+    assert launch.split_plan(state, 32768, 1, 4, 4, 128, cpu, None, 64) == (32, 1024)
     # 4096 keys: the hand plan above; in one lane the partials are 4x smaller and allow more
     assert launch.split_plan(state, 4096, 1, 4, 4, 128, cpu, None) == (5, 832)
     assert launch.split_plan(state, 4096, 1, 4, 1, 128, cpu, None) == (22, 192)

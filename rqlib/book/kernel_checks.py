@@ -391,7 +391,10 @@ def register_report(group: int, head_dim: int = 128) -> dict:
     tensor cores, value pairs). The decode step's shared memory unpipelined (``att_smem``) and
     in the ``n_pipelined`` pipelined configurations (``limits.PIPELINED_CONFIGS``): how many do
     not spill (``pipelined_fits``), and the first's spill in words and its shared memory
-    (``pipelined_first_phrase``, ``pipelined_smem``: the first configuration in two stages)."""
+    (``pipelined_first_phrase``, ``pipelined_smem``: the first configuration in two stages).
+    The first configuration of wider key tiles (``limits.WIDE_TILE_CONFIGS``: ``wide_keys``
+    keys, ``wide_warps`` warps): its spill in the same decode step (``wide_spill``) and at
+    head dimension 64 (``wide_small_spill``)."""
     from rqlib.book import ptx, sass
     from rqlib.kernels import aot
     from rqlib.kernels import limits as geo
@@ -409,7 +412,12 @@ def register_report(group: int, head_dim: int = 128) -> dict:
     pipelined = [
         ptx.compile_ptx(spec(head_dim, lanes, config).label, 90) for config in geo.PIPELINED_CONFIGS
     ]
+    wide = geo.WIDE_TILE_CONFIGS[0]
     return {
+        "wide_keys": wide.block_s,
+        "wide_warps": wide.num_warps,
+        "wide_spill": ptx.compile_ptx(spec(head_dim, lanes, wide).label, 90).spill_bytes,
+        "wide_small_spill": ptx.compile_ptx(spec(64, lanes, wide).label, 90).spill_bytes,
         "att_smem": compiled.shared_bytes,
         "n_pipelined": len(pipelined),
         "pipelined_fits": sum(not kernel.spill_bytes for kernel in pipelined),

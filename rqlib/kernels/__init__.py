@@ -145,8 +145,9 @@ def attention(
     ``ValueError`` naming the feature (:func:`rqlib.kernels.limits.check_state`).
 
     ``partition``: at most this many keys per split of a decode step in the Triton kernel (a
-    positive multiple of ``ATTENTION_BLOCK_S``); by default the splits are chosen from the
-    GPU's SM count (:func:`rqlib.kernels.limits.decode_splits`). ``lanes``: cut each key tile
+    positive multiple of ``ATTENTION_BLOCK_S``; only configurations whose key tiles divide it
+    are tuned over); by default the splits are chosen from the GPU's SM count
+    (:func:`rqlib.kernels.limits.decode_splits`). ``lanes``: cut each key tile
     of the Triton kernel into this many lanes (1, 2 or 4; by default
     :func:`rqlib.kernels.limits.lanes` of the rows, see :mod:`rqlib.kernels.triton_attention`).
     The torch path has neither and ignores them.

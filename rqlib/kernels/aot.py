@@ -77,7 +77,7 @@ KEY_POINTERS = {
     "rnorms_ptr": "fp16",
 }
 SCORES_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.SCORES_BLOCK_S, "CHUNK": geo.CHUNK}
-ATTENTION_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.ATTENTION_BLOCK_S}
+ATTENTION_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS}  # keys per tile: AttentionConfig.block_s
 #: uint8 buffers of the attention kernel (codes, norm streams, signs, the mask)
 ATTENTION_BYTES = (
     "k_codes_ptr k_norms_ptr k_signs_ptr k_rnorms_ptr v_codes_ptr v_norms_ptr bk_codes_ptr "
@@ -229,10 +229,28 @@ def pipelined_specializations() -> list[Specialization]:
     ]
 
 
+#: head dimensions whose presets' layout is also compiled in wider key tiles
+WIDE_TILE_HEAD_DIMS = (64, 128)
+
+
+def wide_tile_specializations() -> list[Specialization]:
+    """The presets' layout (as :func:`pipelined_specializations`) at
+    :data:`WIDE_TILE_HEAD_DIMS`, in a decode step's lanes and a prompt's, in each of
+    ``limits.WIDE_TILE_CONFIGS``: tiles of more keys, which a launch reaches only where it is
+    timed."""
+    return [
+        attention_specialization(coded_layout(d), "fp16", config, lanes)
+        for d in WIDE_TILE_HEAD_DIMS
+        for lanes in (max(LANES), 1)
+        for config in geo.WIDE_TILE_CONFIGS
+    ]
+
+
 def specializations() -> list[Specialization]:
     """Every constexpr / pointer-type combination the host code in launch.py can launch: the
     fused-score, quantize and reduce kernels, every group of :func:`attention_groups` and the
-    pipelined configurations of :func:`pipelined_specializations`."""
+    configurations reached only where timed (:func:`pipelined_specializations`,
+    :func:`wide_tile_specializations`)."""
     specs = [
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS),
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS, ones=("group", "q_len")),
@@ -246,7 +264,7 @@ def specializations() -> list[Specialization]:
         ),
     ]
     groups = [spec for group in attention_groups() for spec in group]
-    return specs + groups + pipelined_specializations()
+    return specs + groups + pipelined_specializations() + wide_tile_specializations()
 
 
 def kernel_objects() -> dict:
@@ -395,9 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     """Compile for the archs given as arguments (default: every supported one); one JSON line
     each. The fused-score, quantize and reduce kernels compile every specialization; each group
     of :func:`attention_groups` compiles its configurations in order until one does not spill
-    (what a launch runs where nothing is timed), each record naming its group; the pipelined
-    configurations of :func:`pipelined_specializations` are compiled too, their records
-    marked ``pipelined`` (a spill there is reported, not a failure: the tuner drops it)."""
+    (what a launch runs where nothing is timed), each record naming its group; the
+    configurations reached only where timed are compiled too, their records marked
+    ``pipelined`` (:func:`pipelined_specializations`) or ``wide_tile``
+    (:func:`wide_tile_specializations`): a spill there is reported, not a failure (the tuner
+    drops it)."""
     archs = [int(a) for a in (argv if argv is not None else sys.argv[1:])] or supported_archs()
     kernels = kernel_objects()
     failures = 0
@@ -408,12 +428,16 @@ def main(argv: list[str] | None = None) -> int:
             record = compile_one(kernels[spec.kernel], spec, arch)
             failures += not record["ok"]
             print(json.dumps(record), flush=True)
-    for spec in pipelined_specializations():
-        for arch in archs:
-            record = compile_one(kernels[spec.kernel], spec, arch)
-            record["pipelined"] = True
-            failures += not record["ok"]
-            print(json.dumps(record), flush=True)
+    for marker, timed in (
+        ("pipelined", pipelined_specializations()),
+        ("wide_tile", wide_tile_specializations()),
+    ):
+        for spec in timed:
+            for arch in archs:
+                record = compile_one(kernels[spec.kernel], spec, arch)
+                record[marker] = True
+                failures += not record["ok"]
+                print(json.dumps(record), flush=True)
     for group in attention_groups():
         for arch in archs:
             for spec in group:

@@ -13,6 +13,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -169,15 +170,17 @@ def _ring_arguments(stream, device, exact_dtype):
 
 def _check_tiles(stream, name: str) -> None:
     """Refuse a stream the kernel would read past: its rings must have capacities that are
-    multiples of its key tile, and norm streams the spare bytes :mod:`rqlib.kernels.store`
-    gives them (the kernel reads whole tiles of a ring without masks)."""
+    multiples of its widest key tile, and norm streams the spare bytes
+    :mod:`rqlib.kernels.store` gives them (the kernel reads whole tiles of a ring without
+    masks)."""
     if stream is None:
         return
+    widest = geo.widest_tile()
     for ring in stream.rings:
-        if ring.capacity % geo.ATTENTION_BLOCK_S:
+        if ring.capacity % widest:
             raise ValueError(
                 f"the {name} ring has {ring.capacity} slots; the attention kernel reads "
-                f"tiles of {geo.ATTENTION_BLOCK_S} and needs a multiple of it "
+                f"tiles of up to {widest} keys and needs a multiple of {widest} "
                 f"(store.round_capacity rounds to {geo.RING_GRANULE})"
             )
         for buffer in ("norms", "rnorms"):
@@ -227,20 +230,39 @@ def _sm_count(device_type: str, index: int | None) -> int | None:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
+class SplitPlan(NamedTuple):
+    """How a launch cuts its keys in one configuration: its ``grid``, ``n_splits`` splits of
+    ``partition`` keys from position ``split_lo`` (all on whole key tiles)."""
+
+    grid: tuple[int, int, int]
+    n_splits: int
+    partition: int
+    split_lo: int
+
+
 def split_plan(
-    state, span: int, batch: int, rows: int, lanes: int, acc_width: int, device, partition
+    state,
+    span: int,
+    batch: int,
+    rows: int,
+    lanes: int,
+    acc_width: int,
+    device,
+    partition,
+    block: int = geo.ATTENTION_BLOCK_S,
 ):
     """``(splits, partition)`` of a decode step (one block of ``rows`` rows in ``lanes`` lanes)
-    over ``span`` keys: at most ``partition`` keys per split when given, else chosen from the
-    device's SM count and the layer's bytes per key (:func:`rqlib.kernels.limits.decode_splits`)."""
+    over ``span`` keys, in splits of whole key tiles of ``block`` keys: at most ``partition``
+    keys per split when given (a multiple of ``block``), else chosen from the device's SM count
+    and the layer's bytes per key (:func:`rqlib.kernels.limits.decode_splits`)."""
     span = max(1, span)
     if partition is not None:
-        return geo.even_partition(span, math.ceil(span / partition))
+        return geo.even_partition(span, math.ceil(span / partition), block)
     kv_heads = state.keys.rings[0].heads
     key_bytes = sum(ring.bytes_per_token() for s in (state.keys, state.values) for ring in s.rings)
     sm_count = _sm_count(device.type, device.index)
     partial = geo.partial_bytes(rows, acc_width, lanes)
-    return geo.decode_splits(span, batch * kv_heads, sm_count, partial, key_bytes)
+    return geo.decode_splits(span, batch * kv_heads, sm_count, partial, key_bytes, block)
 
 
 def attention(
@@ -347,25 +369,42 @@ def attention(
     if causal and window:
         first = max(first, state.start - window + 1)
     n_row_blocks = math.ceil(n_rows / (geo.BLOCK_ROWS // lanes))
-    split_lo = first - first % geo.ATTENTION_BLOCK_S  # splits start on whole key tiles
-    span = state.end - split_lo
-    if n_row_blocks == 1:
-        n_splits, partition = split_plan(
-            state, span, batch, n_rows, lanes, acc_width, device, partition
-        )
-    else:  # a prompt: its row blocks provide the parallelism, one split each
-        n_splits, partition = geo.even_partition(span, 1)
-
     total_rows = batch * kv_heads * n_rows
-    n_parts = n_splits * lanes  # a split of each lane: the reduce merges them
-    part_m = empty((total_rows, n_parts, 3), torch.float32, device)
-    part_l = empty((total_rows, n_parts, 3), torch.float32, device)
-    part_acc = empty((total_rows, n_parts, 3, acc_width), torch.float32, device)
-    grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
+    plans, partials = {}, {}
+
+    def plan(config: geo.AttentionConfig) -> SplitPlan:
+        """The splits of this launch in ``config``: they start on its whole key tiles."""
+        if config not in plans:
+            split_lo = first - first % config.block_s
+            span = state.end - split_lo
+            if n_row_blocks == 1:
+                n_splits, part = split_plan(
+                    state, span, batch, n_rows, lanes, acc_width, device, partition, config.block_s
+                )
+            else:  # a prompt: its row blocks provide the parallelism, one split each
+                n_splits, part = geo.even_partition(span, 1, config.block_s)
+            grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
+            plans[config] = SplitPlan(grid, n_splits, part, split_lo)
+        return plans[config]
+
+    def partial_results(n_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``m``, ``l`` and the accumulators of ``n_splits`` splits of each lane (the reduce
+        merges them), shared by the configurations that cut the keys alike."""
+        if n_splits not in partials:
+            n_parts = n_splits * lanes
+            partials[n_splits] = (
+                empty((total_rows, n_parts, 3), torch.float32, device),
+                empty((total_rows, n_parts, 3), torch.float32, device),
+                empty((total_rows, n_parts, 3, acc_width), torch.float32, device),
+            )
+        return partials[n_splits]
 
     def arguments(config: geo.AttentionConfig) -> tuple:
         """The launch's arguments in ``config``, whose scores read the keys' centroids in its
-        dtype and whose values read a codebook or a table of centroid pairs."""
+        dtype, whose values read a codebook or a table of centroid pairs, and whose splits
+        start on its key tiles."""
+        splits = plan(config)
+        part_m, part_l, part_acc = partial_results(splits.n_splits)
         k_table, bk_table = (
             _centroid_table(stream, device, config.score_codebook_dtype)
             for stream in (keys, state.band_keys)
@@ -382,7 +421,8 @@ def attention(
             bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_table,
             bv_ptrs[0], bv_ptrs[1], bv_exact, bv_table,
             sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
-            kv_heads, group, n_rows, state.start, first, state.end, n_splits, partition, split_lo,
+            kv_heads, group, n_rows, state.start, first, state.end,
+            splits.n_splits, splits.partition, splits.split_lo,
             value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
             *mask_strides, float(scale), float(softcap or 0.0),
             *k_sizes, *k_strides,
@@ -398,15 +438,31 @@ def attention(
         LANES=lanes,
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
-        BLOCK_S=geo.ATTENTION_BLOCK_S,
         CHUNK=geo.attention_chunk(block_v),
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )
     layer_format = (tuple(compile_time.items()), lanes, block_v, exact_dtype, device)
-    config = attention_config(
-        layer_format, tuning_key(n_row_blocks, span), grid, arguments, options
+    # an explicit partition is cut into whole tiles: configurations whose tile divides it
+    configs = tuple(
+        config
+        for config in geo.tuned_configs()
+        if partition is None or partition % config.block_s == 0
     )
-    attention_kernel[grid](
+    if not configs:
+        raise ValueError(
+            f"partition {partition} is a whole number of key tiles in none of the "
+            f"configurations (key tiles of {sorted({c.block_s for c in geo.tuned_configs()})})"
+        )
+    config = attention_config(
+        layer_format,
+        tuning_key(n_row_blocks, state.end - first),
+        configs,
+        lambda config: plan(config).grid,
+        arguments,
+        options,
+    )
+    chosen = plan(config)
+    attention_kernel[chosen.grid](
         *arguments(config),
         **options,
         **config.constexprs(),
@@ -415,11 +471,9 @@ def attention(
     )
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
-        part_m,
-        part_l,
-        part_acc,
+        *partial_results(chosen.n_splits),
         reduced,
-        n_parts,
+        chosen.n_splits * lanes,
         acc_width,
         BLOCK=geo.REDUCE_BLOCK,
         num_warps=geo.REDUCE_NUM_WARPS,
@@ -453,10 +507,16 @@ def tuning_key(row_blocks: int, span: int) -> tuple[bool, int]:
 
 
 def attention_config(
-    layer_format: tuple, key: tuple, grid, arguments, options
+    layer_format: tuple,
+    key: tuple,
+    configs: tuple[geo.AttentionConfig, ...],
+    grid: Callable[[geo.AttentionConfig], tuple],
+    arguments: Callable[[geo.AttentionConfig], tuple],
+    options: dict,
 ) -> geo.AttentionConfig:
-    """The configuration of ``limits.tuned_configs()`` a launch of ``layer_format`` runs in
-    (warps, tensor cores or not, value pairs or not, pipeline stages), tuned once per
+    """The configuration of ``configs`` (``limits.tuned_configs()``, less those whose key tile
+    does not divide a launch's explicit partition) a launch of ``layer_format`` runs in (warps,
+    tensor cores or not, value pairs or not, pipeline stages, keys per tile), tuned once per
     :func:`tuning_key` ``key`` and kept.
 
     Each configuration is compiled without being launched (``warmup``: Triton caches the
@@ -469,21 +529,22 @@ def attention_config(
     and the values read) and the key is a bucket of the context, which is not a kernel
     argument.
 
-    The software-pipelined configurations (``limits.PIPELINED_CONFIGS``) come last: where
-    nothing is timed, one runs only when no other configuration fits. When every
+    The software-pipelined configurations (``limits.PIPELINED_CONFIGS``) and those of wider key
+    tiles (``limits.WIDE_TILE_CONFIGS``) come last: where nothing is timed, one runs only when
+    no other configuration fits. When every
     configuration spills (slower, not wrong), the last of ``limits.ATTENTION_CONFIGS`` is
     taken and a warning names the format, once. The formats of a layer are compile-time, so a
     model can launch a specialization ``tests/test_kernels_aot.py`` did not compile; this is
     where its spill shows. An interpreted kernel compiles nothing: without a :data:`BENCH` it
     takes the first configuration, and so does a launch while a CUDA graph is captured
-    (:func:`_capturing_graph`). ``arguments`` gives the launch's positional arguments in a
-    configuration."""
-    if (layer_format, key) in _CONFIG_OF:
-        return _CONFIG_OF[(layer_format, key)]
+    (:func:`_capturing_graph`). ``grid`` and ``arguments`` give the launch's grid and
+    positional arguments in a configuration (its splits follow its key tiles)."""
+    if (layer_format, key, configs) in _CONFIG_OF:
+        return _CONFIG_OF[(layer_format, key, configs)]
 
     def run(config: geo.AttentionConfig, compile_only: bool = False):
-        kernel = attention_kernel.warmup if compile_only else attention_kernel[grid]
-        extra = {"grid": grid} if compile_only else {}
+        kernel = attention_kernel.warmup if compile_only else attention_kernel[grid(config)]
+        extra = {"grid": grid(config)} if compile_only else {}
         return kernel(
             *arguments(config),
             **extra,
@@ -494,7 +555,7 @@ def attention_config(
         )
 
     fits = []
-    for config in geo.tuned_configs():
+    for config in configs:
         if (layer_format, config) not in _SPILLS:
             compiled = run(config, compile_only=True)
             _SPILLS[(layer_format, config)] = (
@@ -517,7 +578,7 @@ def attention_config(
             return chosen
         bench = BENCH or _gpu_bench
         chosen = min(fits, key=lambda config: bench(lambda: run(config)))
-    _CONFIG_OF[(layer_format, key)] = chosen
+    _CONFIG_OF[(layer_format, key, configs)] = chosen
     return chosen
 
 

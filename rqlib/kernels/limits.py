@@ -46,8 +46,8 @@ ATTENTION_CHUNKS = {64: 64, 128: 128, 256: ATTENTION_CHUNK}
 SCORES_BLOCK_S = 32  # keys per fused_scores tile
 ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)
 #: Ring capacities are multiples of this many slots (rqlib.kernels.store): every key tile the
-#: attention kernel is compiled with (ATTENTION_BLOCK_S, and the tile sweep's) divides it, so no
-#: tile crosses the end of a ring.
+#: attention kernel is compiled with (``AttentionConfig.block_s`` of every configuration of
+#: :func:`tuned_configs`) divides it, so no tile crosses the end of a ring.
 RING_GRANULE = 64
 BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
 #: the most lanes a program cuts a key tile into (rqlib.kernels.triton_attention): four lanes of
@@ -76,16 +76,18 @@ class AttentionConfig:
     """How an attention program runs: its warps, whether the scores of codes run on fp16
     tensor cores (``triton_common.split_dot``) or on the CUDA cores, and whether the values'
     centroids are read two a load from a table of centroid pairs
-    (``numerics.kernel_table``; the keys' always are) or one a load from the codebook, and in
+    (``numerics.kernel_table``; the keys' always are) or one a load from the codebook, in
     how many pipeline stages its loops run (``num_stages`` > 1: Triton's software pipelining
     issues the loads of the next key tile, staged in shared memory, while this one is
-    computed). All compute the same sums to float32 accuracy; they differ in instructions,
-    registers and shared memory."""
+    computed), and how many keys a tile holds (``block_s``; a decode step's splits start and
+    end on whole tiles). All compute the same sums to float32 accuracy; they differ in
+    instructions, registers and shared memory."""
 
     num_warps: int
     score_tensor_cores: bool
     value_pairs: bool = False
     num_stages: int = ATTENTION_NUM_STAGES
+    block_s: int = ATTENTION_BLOCK_S
 
     @property
     def score_codebook_dtype(self) -> torch.dtype:
@@ -98,6 +100,7 @@ class AttentionConfig:
         return {
             "SCORE_TENSOR_CORES": int(self.score_tensor_cores),
             "VALUE_PAIRS": int(self.value_pairs),
+            "BLOCK_S": self.block_s,
         }
 
 
@@ -130,12 +133,29 @@ PIPELINED_CONFIGS = tuple(
     if config.score_tensor_cores
 )
 
+#: Wider key tiles, in the configurations where they fit: a tile of more keys shares its
+#: bookkeeping (the softmax's maxima and rescaling, the loop's addresses) among more keys, but
+#: holds more registers. Compiled for the presets' layout, a tile of 32 keys fits four warps and
+#: one of 64 keys eight warps at head dimension 64, while at head dimension 128 both spill in
+#: every number of warps (tests/test_kernels_aot.py compiles them). Like the pipelined ones they
+#: are taken only where timed, and a format they spill in drops them.
+WIDE_TILE_CONFIGS = (
+    AttentionConfig(4, True, value_pairs=True, block_s=2 * ATTENTION_BLOCK_S),
+    AttentionConfig(8, True, value_pairs=True, block_s=4 * ATTENTION_BLOCK_S),
+)
+
 
 def tuned_configs() -> tuple[AttentionConfig, ...]:
     """Every configuration a launch may run, in order of preference where nothing is timed:
-    :data:`ATTENTION_CONFIGS`, then :data:`PIPELINED_CONFIGS` (read when called, so that a
-    study that narrows either tuple narrows the tuner too)."""
-    return ATTENTION_CONFIGS + PIPELINED_CONFIGS
+    :data:`ATTENTION_CONFIGS`, then :data:`PIPELINED_CONFIGS` and :data:`WIDE_TILE_CONFIGS`
+    (read when called, so that a study that narrows these tuples narrows the tuner too)."""
+    return ATTENTION_CONFIGS + PIPELINED_CONFIGS + WIDE_TILE_CONFIGS
+
+
+def widest_tile() -> int:
+    """The most keys a tile of any of :func:`tuned_configs` holds: a ring's capacity must be a
+    multiple of it (:data:`RING_GRANULE` is)."""
+    return max(config.block_s for config in tuned_configs())
 
 
 def lanes(rows: int) -> int:
@@ -168,10 +188,10 @@ def stream_partial_bytes(rows: int, acc_width: int, lanes: int = 1) -> int:
     return 2 * rows * lanes * acc_width * 4
 
 
-def even_partition(span: int, splits: int) -> tuple[int, int]:
+def even_partition(span: int, splits: int, block: int = ATTENTION_BLOCK_S) -> tuple[int, int]:
     """``(splits, partition)``: ``span`` keys cut into at most ``splits`` near-equal splits of
-    whole key tiles (``partition >= ATTENTION_BLOCK_S``, ``splits * partition >= span``)."""
-    block = ATTENTION_BLOCK_S
+    whole key tiles of ``block`` keys (``partition`` a positive multiple of ``block``,
+    ``splits * partition >= span``)."""
     partition = max(block, math.ceil(span / max(1, splits) / block) * block)
     return math.ceil(span / partition), partition
 
@@ -182,9 +202,11 @@ def decode_splits(
     sm_count: int | None,
     partial_bytes: int,
     key_bytes: float,
+    block: int = ATTENTION_BLOCK_S,
 ) -> tuple[int, int]:
     """``(splits, partition)``: how a decode step cuts its ``span`` keys, in splits of
-    ``partition`` keys (a multiple of ``ATTENTION_BLOCK_S``; ``splits * partition >= span``).
+    ``partition`` keys (a multiple of the key tile's ``block`` keys;
+    ``splits * partition >= span``).
 
     With one query token there are only ``programs`` = batch x KV heads groups of rows, far
     fewer than a GPU's SMs, so the keys provide the parallelism. Given the ``sm_count``, the
@@ -204,9 +226,9 @@ def decode_splits(
                 f"{key_bytes} and {partial_bytes}"
             )
         fill = math.ceil(SPLIT_WAVES * sm_count / programs)
-        shortest = max(ATTENTION_BLOCK_S, partial_bytes / (MAX_PARTIAL_SHARE * key_bytes))
+        shortest = max(block, partial_bytes / (MAX_PARTIAL_SHARE * key_bytes))
         splits = min(fill, max(1, math.floor(span / shortest)))
-    return even_partition(span, splits)
+    return even_partition(span, splits, block)
 
 
 def attention_chunk(block_v: int) -> int:

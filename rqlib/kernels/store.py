@@ -19,8 +19,8 @@ Packed streams store exactly what the bit accounting counts (:mod:`rqlib.spec.bi
 
 Exact streams hold ``[B, KV, C, d]`` in the model's dtype. Capacities are multiples of
 ``limits.RING_GRANULE`` slots: a norm stream is a whole number of bytes, slot groups of eight
-start on byte boundaries, and the attention kernel's key tiles (``limits.ATTENTION_BLOCK_S``,
-which divides it) never cross the end of a ring.
+start on byte boundaries, and the attention kernel's key tiles (of at most
+``limits.widest_tile()`` keys, which divides it) never cross the end of a ring.
 Buffers are allocated as zeros, so every slot holds a stored token or zeros: the kernel reads
 whole tiles without masks and masks the keys it does not need out of the softmax.
 

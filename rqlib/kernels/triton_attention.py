@@ -66,7 +66,8 @@ Accumulators wider than 256 columns (a rotor's padded width at head_dim 256), or
 and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program each, which
 recompute the same scores. The loops run software-pipelined only in the configurations a
 launch times (``limits.PIPELINED_CONFIGS``): the next tile's loads in flight cost registers
-and shared memory, and some formats spill with them. And a thread may take up to 255
+and shared memory, and some formats spill with them; so do tiles of more than 16 keys
+(``limits.WIDE_TILE_CONFIGS``), which spill at head dimension 128. And a thread may take up to 255
 registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column
 tile at 128 to fit two blocks an SM, and spill.
 

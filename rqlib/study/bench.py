@@ -286,16 +286,21 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
     return results
 
 
-def tile_candidates() -> list[tuple[int, int, geo.AttentionConfig]]:
-    """``(ATTENTION_BLOCK_S, CHUNK, configuration)`` candidates of the tile sweep, the defaults
-    first: the default tile in every configuration a launch may tune over
-    (``limits.tuned_configs()``: warps, the scores on tensor cores or not, the values' centroids
-    in pairs or not, software-pipelined or not), then other tiles in the first configuration
-    and the one that fits every format. CHUNK 0 takes ``limits.attention_chunk``'s choice for
-    the accumulator width; every block dimension stays >= 16 for ``tl.dot``."""
+def tile_candidates() -> list[tuple[int, geo.AttentionConfig]]:
+    """``(CHUNK, configuration)`` candidates of the tile sweep, the defaults first: every
+    configuration a launch may tune over (``limits.tuned_configs()``: warps, the scores on
+    tensor cores or not, the values' centroids in pairs or not, software-pipelined or not, keys
+    per tile), then other chunks and tiles in the first configuration and the one that fits
+    every format. CHUNK 0 takes ``limits.attention_chunk``'s choice for the accumulator width;
+    every block dimension stays >= 16 for ``tl.dot``."""
     first, fallback = geo.ATTENTION_CONFIGS[0], geo.ATTENTION_CONFIGS[-1]
-    defaults = [(geo.ATTENTION_BLOCK_S, 0, config) for config in geo.tuned_configs()]
-    return defaults + [(16, 16, first), (16, 32, fallback), (32, 0, first), (64, 16, fallback)]
+    defaults = [(0, config) for config in geo.tuned_configs()]
+    return defaults + [
+        (16, first),
+        (32, fallback),
+        (0, dataclasses.replace(first, block_s=32)),
+        (16, dataclasses.replace(fallback, block_s=64)),
+    ]
 
 
 def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
@@ -305,8 +310,7 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     (``tests/test_kernels_aot.py`` checks the defaults); each runs in its configuration alone,
     with no fallback to another.
 
-    Returns (BLOCK_S, CHUNK, configuration, milliseconds, relative error vs torch) per
-    candidate.
+    Returns (CHUNK, configuration, milliseconds, relative error vs torch) per candidate.
     """
     import triton.testing
 
@@ -322,22 +326,21 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
     expected = decode_step(small, q, scale, "torch")
     nbytes = batch * kv_heads * kv_len * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
     defaults = (
-        geo.ATTENTION_BLOCK_S,
         dict(geo.ATTENTION_CHUNKS),
         geo.ATTENTION_CONFIGS,
         geo.PIPELINED_CONFIGS,
+        geo.WIDE_TILE_CONFIGS,
     )
-    print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (CHUNK 0: {defaults[1]})")
+    print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (CHUNK 0: {defaults[0]})")
     print(
         f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'scores':>7} {'values':>7} {'stages':>6} "
         f"{'time us':>9} {'GB/s':>7} {'rel err':>8}"
     )
     rows = []
     try:
-        for block_s, chunk, config in tile_candidates():
-            geo.ATTENTION_BLOCK_S, geo.ATTENTION_CONFIGS = block_s, (config,)
-            geo.PIPELINED_CONFIGS = ()
-            geo.ATTENTION_CHUNKS = {b: chunk or defaults[1][b] for b in defaults[1]}
+        for chunk, config in tile_candidates():
+            geo.ATTENTION_CONFIGS, geo.PIPELINED_CONFIGS, geo.WIDE_TILE_CONFIGS = (config,), (), ()
+            geo.ATTENTION_CHUNKS = {b: chunk or defaults[0][b] for b in defaults[0]}
             launch.reset_tuning()
             got = decode_step(small, q, scale)
             error = float((got - expected).abs().max() / expected.abs().max())
@@ -345,13 +348,13 @@ def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> li
             where = "tensor" if config.score_tensor_cores else "CUDA"
             values = "pairs" if config.value_pairs else "single"
             print(
-                f"{block_s:>7} {chunk:>5} {config.num_warps:>5} {where:>7} {values:>7} "
+                f"{config.block_s:>7} {chunk:>5} {config.num_warps:>5} {where:>7} {values:>7} "
                 f"{config.num_stages:>6} {ms * 1e3:>9.1f} {nbytes / ms / 1e6:>7.0f} {error:>8.1e}"
             )
-            rows.append((block_s, chunk, config, ms, error))
+            rows.append((chunk, config, ms, error))
     finally:
-        geo.ATTENTION_BLOCK_S, geo.ATTENTION_CHUNKS = defaults[:2]
-        geo.ATTENTION_CONFIGS, geo.PIPELINED_CONFIGS = defaults[2:]
+        geo.ATTENTION_CHUNKS = defaults[0]
+        geo.ATTENTION_CONFIGS, geo.PIPELINED_CONFIGS, geo.WIDE_TILE_CONFIGS = defaults[1:]
         launch.reset_tuning()
     return rows
 
