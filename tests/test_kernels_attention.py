@@ -457,14 +457,18 @@ def test_a_ring_the_kernel_would_read_past_is_refused(rng):
         kernels.attention(state, q, mask, scale=0.1, backend="triton")
 
 
-def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
-    """A decode step cut into 16-key splits by the argument (the default left at 512) equals
-    the reference; a partition that is not a positive multiple of the key tile is refused."""
-    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 512)
+def decode_step_after_200_keys(rng, coded_values: bool):
+    """``(state, q, mask, expected)``: a decode step of a GQA pair of heads at head_dim 64 over
+    200 keys of 3-bit codes, with exact values, or with values of the same codec, a sink and an
+    exact band of 5; ``expected`` is the float64 reference on the kernel's codebook."""
     d, total = 64, 200
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     quantizer = make_quantizer("turboquant-mse", d, 3, seed=seed)
-    layer = CompressedLayer(0, VectorCodec([ChannelPart(quantizer, None)], d), None)
+    codec = VectorCodec([ChannelPart(quantizer, None)], d)
+    if coded_values:
+        layer = CompressedLayer(0, codec, codec, 1, 5)
+    else:
+        layer = CompressedLayer(0, codec, None)
     layer.active = True
     keys, values = torch.randn(2, 1, 1, total, d, generator=rng)
     layer.update(keys, values)
@@ -473,6 +477,14 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
     q = torch.randn(1, 2, 1, d, generator=rng)
     kernel_state = numerics.on_kernel_codebook(state)
     expected = reference.attention(kernel_state, q.double(), mask, scale=0.1, dtype=torch.float64)
+    return state, q, mask, expected
+
+
+def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
+    """A decode step cut into 16-key splits by the argument (the default left at 512) equals
+    the reference; a partition that is not a positive multiple of the key tile is refused."""
+    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 512)
+    state, q, mask, expected = decode_step_after_200_keys(rng, coded_values=False)
     calls = []
     original = launch.attention
     monkeypatch.setattr(
@@ -497,19 +509,7 @@ def test_an_explicit_partition_is_tuned_over_the_tiles_that_divide_it(
     tile the fastest, so the step then runs in tiles of 64 keys, in splits of whole tiles, and
     equals the reference. A partition that no configuration divides is refused."""
     monkeypatch.setattr(geo, "DEFAULT_PARTITION", 512)
-    d, total = 64, 200
-    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    quantizer = make_quantizer("turboquant-mse", d, 3, seed=seed)
-    codec = VectorCodec([ChannelPart(quantizer, None)], d)
-    layer = CompressedLayer(0, codec, codec, 1, 5)  # a sink and an exact band
-    layer.active = True
-    keys, values = torch.randn(2, 1, 1, total, d, generator=rng)
-    layer.update(keys, values)
-    state = dataclasses.replace(layer.state(), start=total - 1)
-    mask = CausalMask(1, total - 1, 1, 0, total)
-    q = torch.randn(1, 2, 1, d, generator=rng)
-    kernel_state = numerics.on_kernel_codebook(state)
-    expected = reference.attention(kernel_state, q.double(), mask, scale=0.1, dtype=torch.float64)
+    state, q, mask, expected = decode_step_after_200_keys(rng, coded_values=True)
     timed = []
 
     def bench(run):  # the wider the tile, the faster
