@@ -135,10 +135,13 @@ PIPELINED_CONFIGS = tuple(
 
 #: Wider key tiles, in the configurations where they fit: a tile of more keys shares its
 #: bookkeeping (the softmax's maxima and rescaling, the loop's addresses) among more keys, but
-#: holds more registers. Compiled for the presets' layout, a tile of 32 keys fits four warps and
-#: one of 64 keys eight warps at head dimension 64, while at head dimension 128 both spill in
-#: every number of warps (tests/test_kernels_aot.py compiles them). Like the pipelined ones they
-#: are taken only where timed, and a format they spill in drops them.
+#: holds more registers, so it needs more warps. Compiled for the presets' layout, a tile of 32
+#: keys fits four warps and one of 64 keys eight warps at head dimension 64, while at head
+#: dimension 128 both spill (tests/test_kernels_aot.py compiles them). Against the first
+#: configuration's two warps on 16 keys they issue about as many instructions a key (count them
+#: with rqlib.book.sass); what they may buy is latency hidden by more warps a block, which only
+#: a GPU can time. So, like the pipelined ones, they are taken only where timed, and a format
+#: they spill in drops them.
 WIDE_TILE_CONFIGS = (
     AttentionConfig(4, True, value_pairs=True, block_s=2 * ATTENTION_BLOCK_S),
     AttentionConfig(8, True, value_pairs=True, block_s=4 * ATTENTION_BLOCK_S),
