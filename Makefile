@@ -45,6 +45,9 @@ sweep: $(STAMP)
 		{ echo "commit or stash your changes first: runs from a dirty tree are not committed" >&2; exit 2; }
 	rm -rf $(SWEEP_NEW)
 	RQLIB_RESULTS_DIR=$(SWEEP_NEW) $(BIN)/python -m rqlib sweep notebooks/04_perplexity.ipynb $(SWEEP_GRID)
+	@dirty="$$(find $(SWEEP_NEW) -name '*.dirty.json' | sort)"; if [ -n "$$dirty" ]; then \
+		echo "the tree changed while the sweep ran: $$(echo "$$dirty" | wc -l) runs are marked dirty, e.g. $$(echo "$$dirty" | head -1)" >&2; \
+		echo "results/04_perplexity is left as it was: commit, then run make sweep again" >&2; exit 2; fi
 	rm -rf results/04_perplexity
 	mv $(SWEEP_NEW)/04_perplexity results/04_perplexity
 	rm -rf $(SWEEP_NEW)
