@@ -7,6 +7,7 @@ Commands:
   allocate    measure a model's sensitivity table (what per-layer bits are allocated from)
   sweep       run a chapter with papermill once per combination of parameters
   bench       kernel benchmarks on a GPU, or the byte-count model without one
+  render      an executed chapter (papermill output) as one HTML page, numbers and figures in place
 
 Each command is a thin layer over a library function; this module holds every argument
 definition, so ``python -m rqlib COMMAND --help`` is the reference.
@@ -577,6 +578,29 @@ def _run_sweep(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# ---- render ----------------------------------------------------------------------------------
+def _render_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("notebook", type=Path, help="a chapter executed by papermill (out.ipynb)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the HTML page to write (default: the notebook's name with .html)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace the HTML file if it exists")
+
+
+def _run_render(args: argparse.Namespace) -> int:
+    from rqlib.book.render import render_notebook
+
+    with _user_input():
+        written = render_notebook(args.notebook, args.output, force=args.force)
+    print(f"wrote {written}")
+    return 0
+
+
 # ---- bench -----------------------------------------------------------------------------------
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from rqlib.study.bench import DEFAULT_KV_LENS
@@ -703,6 +727,11 @@ COMMANDS = {
         _sweep_arguments,
         _run_sweep,
         "run a chapter with papermill over a grid of parameters",
+    ),
+    "render": (
+        _render_arguments,
+        _run_render,
+        "an executed chapter (papermill output) as one HTML page, figures and numbers in place",
     ),
     "bench": (
         _bench_arguments,

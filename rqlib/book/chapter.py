@@ -9,7 +9,9 @@ Every chapter starts with ``run = Chapter("04_perplexity", globals())`` right af
   value or a list for a ``list[...]`` parameter;
 - ``run.glue(...)`` hands numbers and sentences to the prose (myst-nb ``glue``) and keeps them
   as the run's metrics; ``run.figure(name, fig)`` glues a figure for a numbered, captioned
-  ``{glue:figure}`` directive;
+  ``{glue:figure}`` directive, and ``run.show(name)``, in a cell tagged ``remove-cell`` right
+  after, displays it in the notebook too (Jupyter, papermill outputs, ``python -m rqlib
+  render``) while the book shows it once, numbered, where the directive stands;
 - ``run.finish(prov)`` measures the run's wall-clock time and glues the note at the top of the
   chapter (time, device, whether the parameters were the defaults, what the chapter's GPU
   parameter file needs), then saves the results file when ``run_id`` is set.
@@ -28,17 +30,23 @@ from rqlib.base.paths import repo_root
 from rqlib.book.results import glue_metrics, save_result
 
 __all__ = [
+    "SHOW_TAG",
     "Chapter",
     "chapter_path",
     "format_duration",
     "gpu_needs",
     "parameter_specs",
+    "placed_figures",
     "slug",
 ]
 
 #: Parameters of hub models named by the GPU parameter files, from their model cards: what
 #: their weights occupy in fp32 (``rqlib.hf.models.load_model`` loads fp32 by default).
 HUB_MODEL_PARAMETERS = {"Qwen/Qwen2.5-3B-Instruct": 3.09e9}
+
+#: The tag of the cells that call :meth:`Chapter.show` (the book removes them; Jupyter and
+#: ``python -m rqlib render`` show their figures).
+SHOW_TAG = "remove-cell"
 
 _SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -56,6 +64,15 @@ def chapter_path(name: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"chapter {name!r} not found: {path} does not exist")
     return path
+
+
+def placed_figures(name: str) -> list[str]:
+    """The glue names of the ``{glue:figure}`` directives of chapter ``name``, in order."""
+    import nbformat
+
+    notebook = nbformat.read(chapter_path(name), as_version=4)
+    prose = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
+    return re.findall(r"^`{3,}\{glue:figure\}\s+(\w+)", prose, re.M)
 
 
 def parameter_specs(name: str) -> dict[str, dict[str, Any]]:
@@ -166,6 +183,7 @@ class Chapter:
 
             torch.set_num_threads(cpu_threads)
         self.metrics: dict[str, Any] = {}
+        self.figures: dict[str, Any] = {}
 
     def as_list(self, parameter: str) -> list:
         """A ``list[...]`` parameter as a list, whether it was given as one value or a list."""
@@ -193,12 +211,34 @@ class Chapter:
 
     def figure(self, name: str, fig) -> None:
         """Glue a matplotlib figure under ``name`` for a ``{glue:figure}`` directive (which
-        numbers and captions it), and close it so that it is not drawn a second time."""
+        numbers and captions it), keep it for :meth:`show`, and close it so that the inline
+        backend does not draw it a second time."""
         import matplotlib.pyplot as plt
         from myst_nb import glue
 
         glue(name, fig, display=False)
+        self.figures[name] = fig
         plt.close(fig)
+
+    def show(self, *names: str) -> None:
+        """Display the figures glued under ``names`` in the notebook itself, so that a
+        papermill output opened in Jupyter shows them (a glue alone is invisible there).
+
+        The cell calling it carries the ``remove-cell`` tag (:data:`SHOW_TAG`): the book
+        shows each figure once, where its ``{glue:figure}`` directive numbers it. A name the
+        chapter places nowhere is an error; a figure whose cell a parameter switched off is
+        said so in one line.
+        """
+        from IPython.display import display
+
+        placed = placed_figures(self.name)
+        for name in names:
+            if name not in placed:
+                raise KeyError(f"{self.name}: no {{glue:figure}} {name} in the chapter")
+            if name in self.figures:
+                display(self.figures[name])
+            else:
+                print(f"{name}: not drawn in this run (its section was switched off)")
 
     def finish(self, provenance, tables=None) -> Path | None:
         """Glue the chapter's cost note; save the results file when ``run_id`` is set.

@@ -51,9 +51,7 @@ def _unwrap(obj: object) -> object:
 def _display_path(obj: object) -> str:
     """The source file of ``obj``, relative to the folder holding the ``rqlib`` package."""
     path = Path(inspect.getsourcefile(obj) or "").resolve()
-    import rqlib
-
-    root = Path(rqlib.__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # rqlib/book/source.py -> the package's folder
     try:
         return path.relative_to(root).as_posix()
     except ValueError:

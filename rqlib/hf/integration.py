@@ -1,9 +1,10 @@
 """Install a compressed cache on a model: :func:`compress` and :func:`build_cache`.
 
 :func:`compress` takes a resolved :class:`~rqlib.spec.config.CompressionConfig` (a spec string,
-or the configs of :func:`rqlib.study.allocation.resolve` for presets and budgets), builds the
-cache and switches the model's attention to ``"rqlib"`` for the block; the package docstring
-(:mod:`rqlib.hf`) shows the use and the extension points.
+or the configs of :func:`rqlib.study.allocation.resolve` for presets and budgets; the one call
+for those is :func:`rqlib.compress`), builds the cache and switches the model's attention to
+``"rqlib"`` for the block; the package docstring (:mod:`rqlib.hf`) shows the use and the
+extension points.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def _check_buildable(config: CompressionConfig, head_dim: int, calibration) -> N
     if config.budget is not None:
         raise ValueError(
             f"{config.label}: a config with a bit budget (alloc=) must be resolved against the "
-            "model first: rqlib.study.allocation.resolve(config, model, tokenizer)"
+            "model first: use rqlib.compress(model, config, tokenizer=tokenizer), which "
+            "resolves and installs in one call (or rqlib.study.allocation.resolve first)"
         )
     if config.needs_calibration and calibration is None:
         raise ValueError("this config needs a calibration (centering, scaling or outlier channels)")
@@ -266,8 +268,10 @@ def compress(
     """Install a compressed cache on ``model`` for the duration of the block; yield the cache.
 
     ``config`` is a resolved :class:`CompressionConfig` or a compact spec string without a bit
-    budget: a budget (``alloc=``, every preset) is turned into per-layer bits for this model by
-    :func:`rqlib.study.allocation.resolve` first. Configs with key centering, channel scaling
+    budget. For a budget (``alloc=``, every preset) use :func:`rqlib.compress`, the same block
+    with the budget first turned into per-layer bits for this model
+    (:func:`rqlib.study.allocation.resolve`, which may measure the model: an evaluation, a
+    layer above this one). Configs with key centering, channel scaling
     or outlier channels are calibrated first on ``config.calibration_corpus`` (never the
     evaluation text), with ``tokenizer`` (default: loaded from the model's ``name_or_path``).
     Pass the yielded cache as ``cache=`` to ``forward`` or ``generate``; call
