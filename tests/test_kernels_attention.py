@@ -5,9 +5,9 @@ steps and a short chunk, and after every update compares ``kernels.attention(...
 backend="triton")`` with ``reference.attention(..., dtype=float64)`` on the same stored state
 read with the kernel's codebook (the codebook rounded to fp16, ``numerics.on_kernel_codebook``),
 and the float32 torch path with the same reference on the float32 codebook. Decode steps use
-many splits (``DEFAULT_PARTITION`` is set to 16 keys) so that the reduce merges several partial
-results. Every launch is also checked to be one of the specializations
-``tests/test_kernels_aot.py`` compiles for real GPUs and checks for spills.
+many splits (``DEFAULT_SPLITS`` is set to 8, so short contexts also have empty splits) so that
+the reduce merges several partial results. Every launch is also checked to be one of the
+specializations ``tests/test_kernels_aot.py`` compiles for real GPUs and checks for spills.
 
 Tolerance: both sides read the same stored codes and norms, and exact vectors converted to
 float exactly; the fp32 paths accumulate at most D + m <= 1282 products per score and softmax
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
-import warnings
 
 import pytest
 import torch
@@ -41,7 +39,7 @@ from rqlib.kernels import aot, launch, numerics, reference
 from rqlib.kernels import limits as geo
 from rqlib.kernels.state import CausalMask, DenseMask
 from rqlib.kernels.store import NORM_TAIL, round_capacity
-from rqlib.kernels.triton_attention import aligned_start, lane_range, ring_tile
+from rqlib.kernels.triton_attention import aligned_start, ring_tile, tile_range
 
 pytestmark = pytest.mark.interpreter
 
@@ -50,9 +48,9 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(autouse=True)
 def small_splits_and_poison(monkeypatch):
-    """Every buffer the kernels write starts as NaN; decode steps use 16-key splits."""
+    """Every buffer the kernels write starts as NaN; decode steps use 8 splits."""
     monkeypatch.setattr(launch, "POISON_BUFFERS", True)
-    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 16)
+    monkeypatch.setattr(geo, "DEFAULT_SPLITS", 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +151,8 @@ CASES = [
     ),
     Case("dense mask", band="exact", n_sink=1, window=4, dense=True),
 ]
-#: keys over several tiles of every size (limits.WIDE_TILE_CONFIGS: up to 64 keys) and
-#: several splits, in a sliding window whose first key is on no tile's boundary
+#: keys over many tiles and several splits, in a sliding window whose first key is on no
+#: tile's boundary
 LONG_CASE = Case(
     "presets' format in a sliding window over several wide tiles",
     band=8,
@@ -248,9 +246,9 @@ def recorded(monkeypatch) -> RecordedKernel:
 
 def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> None:
     """Every launch is the specialization ``aot.attention_specialization`` builds for its
-    formats: the same compile-time arguments, exact-vector dtype, warps, pipeline stages and
-    register cap, so the AOT test (which checks for spills) compiles what a GPU would launch;
-    its splits start and end on its key tiles.
+    formats, in the one configuration of its format: the same compile-time arguments,
+    exact-vector dtype, warps and register cap, so the AOT test (which checks for spills)
+    compiles what a GPU would launch; its splits start and end on its key tiles.
     With ``listed``, the launch is also one of the specializations that test compiles."""
     specs = {spec.label for spec in aot.specializations()}
     assert recorder.launches
@@ -260,16 +258,15 @@ def assert_compiled_ahead_of_time(recorder: RecordedKernel, listed: bool) -> Non
             k: v for k, v in keywords.items() if k not in ("num_warps", "num_stages", "maxnreg")
         }
         dtype = aot.TRITON_DTYPES[arguments["sink_k_ptr"].dtype]
+        tiles = {*aot.ATTENTION_TILE, "BLOCK_V", "CHUNK", "SCORE_TENSOR_CORES", "BLOCK_S"}
+        layout = {k: v for k, v in constexprs.items() if k not in tiles}
+        expected = aot.attention_specialization(layout, dtype)
+        assert constexprs == expected.constexprs
         config = next(
             c
-            for c in geo.tuned_configs()
-            if (c.num_warps, c.num_stages) == (keywords["num_warps"], keywords["num_stages"])
-            and c.constexprs().items() <= constexprs.items()
+            for c in (geo.ATTENTION_CONFIG, geo.CUDA_CORE_CONFIG)
+            if c.constexprs().items() <= constexprs.items() and c.num_warps == keywords["num_warps"]
         )
-        tiles = {*aot.ATTENTION_TILE, "BLOCK_V", "CHUNK", "LANES", *config.constexprs()}
-        layout = {k: v for k, v in constexprs.items() if k not in tiles}
-        expected = aot.attention_specialization(layout, dtype, config, constexprs["LANES"])
-        assert constexprs == expected.constexprs
         # splits are whole key tiles of the configuration (a split that starts inside a tile
         # reads keys that it masks, right but wasted)
         assert arguments["split_lo"] % config.block_s == 0
@@ -362,20 +359,16 @@ def test_a_state_the_kernel_cannot_serve_is_refused(rng):
 
 
 @triton.jit
-def walk_ring_kernel(out_ptr, lo, hi, capacity, BLOCK_S: tl.constexpr, LANES: tl.constexpr):
+def walk_ring_kernel(out_ptr, lo, hi, capacity, BLOCK_S: tl.constexpr):
     """Write ``(key, slot, read)`` for every key of every tile of the attention kernel's loop
     over keys ``lo .. hi - 1`` of a ring of ``capacity`` slots, in the order it walks them: the
-    keys each lane reads (``lane_range``) against the slots of the tile's columns they are read
-    from (``ring_tile``; lane ``l`` reads columns ``l * LANE_KEYS ..``, see ``own_lane``)."""
-    LANE_KEYS: tl.constexpr = BLOCK_S // LANES
-    lane = tl.arange(0, LANES)
+    keys of each tile (``tile_range``) against the slots they are read from (``ring_tile``)."""
     tile_lo, slot_lo = aligned_start(lo, hi, capacity, BLOCK_S)
     row = 0
     for tile in range(tile_lo, hi, BLOCK_S):
         slots, slot_lo = ring_tile(tile, slot_lo, capacity, BLOCK_S)
-        keys, in_range = lane_range(tile, lane, lo, hi, LANE_KEYS)
-        columns = lane[:, None] * LANE_KEYS + tl.arange(0, LANE_KEYS)[None, :]
-        at = (row + columns) * 3
+        keys, in_range = tile_range(tile, lo, hi, BLOCK_S)
+        at = (row + tl.arange(0, BLOCK_S))[None, :] * 3
         tl.store(out_ptr + at, keys)
         tl.store(out_ptr + (row + tl.arange(0, BLOCK_S)) * 3 + 1, slots)
         tl.store(out_ptr + at + 2, in_range.to(tl.int32))
@@ -383,15 +376,15 @@ def walk_ring_kernel(out_ptr, lo, hi, capacity, BLOCK_S: tl.constexpr, LANES: tl
 
 
 def ring_walk_errors(
-    lo: int, hi: int, capacity: int, lanes: int = 1, block: int = geo.ATTENTION_BLOCK_S
+    lo: int, hi: int, capacity: int, block: int = geo.ATTENTION_BLOCK_S
 ) -> list[str]:
-    """What is wrong with the kernel's walk over keys ``lo .. hi - 1`` of a ring in ``lanes``
-    lanes and tiles of ``block`` keys: a key read twice, missed or out of order, a slot outside
-    the ring or not ``key % capacity``, a tile that does not start on a multiple of the tile
-    size, a tile with nothing to read."""
+    """What is wrong with the kernel's walk over keys ``lo .. hi - 1`` of a ring in tiles of
+    ``block`` keys: a key read twice, missed or out of order, a slot outside the ring or not
+    ``key % capacity``, a tile that does not start on a multiple of the tile size, a tile with
+    nothing to read."""
     rows = (max(hi - lo, 0) // block + 2) * block
     out = torch.full((rows, 3), -1, dtype=torch.int32)
-    walk_ring_kernel[(1,)](out, lo, hi, capacity, BLOCK_S=block, LANES=lanes)
+    walk_ring_kernel[(1,)](out, lo, hi, capacity, BLOCK_S=block)
     walked = out[out[:, 0] >= 0]
     keys, slots, read = walked[:, 0], walked[:, 1], walked[:, 2].bool()
     errors = []
@@ -410,26 +403,24 @@ def ring_walk_errors(
 
 def test_the_kernel_walks_each_ring_key_once_in_its_slot_and_never_past_the_ring(rng):
     """The loops of the attention kernel read whole tiles of a ring without masks, so every key
-    of every tile must lie inside the ring, in slot ``key % capacity``, and the keys it reads,
-    over all lanes, must be exactly the loop's range. Checked on random ranges (up to a full
-    ring, crossing its end, empty) in 1, 2 and 4 lanes and in every tile size a configuration
-    has, and rejecting a ring whose capacity is not a multiple of the tile."""
-    for block in sorted({config.block_s for config in geo.tuned_configs()}):
-        cases = [(5, 5, block), (9, 3, block), (0, block, block)]
-        for _ in range(15):
-            capacity = block * int(torch.randint(1, 5, (1,), generator=rng))
-            lo = int(torch.randint(0, 10 * capacity, (1,), generator=rng))
-            length = int(torch.randint(0, capacity + 1, (1,), generator=rng))
-            cases.append((lo, lo + length, capacity))
-        for (lo, hi, capacity), lanes in itertools.product(cases, aot.LANES):
-            errors = ring_walk_errors(lo, hi, capacity, lanes, block)
-            assert errors == [], (lo, hi, capacity, lanes, block)
+    of every tile must lie inside the ring, in slot ``key % capacity``, and the keys it reads
+    must be exactly the loop's range. Checked on random ranges (up to a full ring, crossing its
+    end, empty), and rejecting a ring whose capacity is not a multiple of the tile."""
+    block = geo.ATTENTION_BLOCK_S
+    cases = [(5, 5, block), (9, 3, block), (0, block, block)]
+    for _ in range(15):
+        capacity = block * int(torch.randint(1, 5, (1,), generator=rng))
+        lo = int(torch.randint(0, 10 * capacity, (1,), generator=rng))
+        length = int(torch.randint(0, capacity + 1, (1,), generator=rng))
+        cases.append((lo, lo + length, capacity))
+    for lo, hi, capacity in cases:
+        assert ring_walk_errors(lo, hi, capacity, block) == [], (lo, hi, capacity)
     # the check can fail: with 24 slots (not a multiple of 16) a tile crosses the ring's end
     assert any("outside the ring" in e for e in ring_walk_errors(20, 40, 24))
 
 
 def test_a_ring_the_kernel_would_read_past_is_refused(rng):
-    """A ring whose capacity is not a multiple of the widest key tile, or whose norm stream
+    """A ring whose capacity is not a multiple of the key tile, or whose norm stream
     lacks its spare bytes, is refused at launch with the stream named, not read past its
     end."""
     d = 64
@@ -443,10 +434,10 @@ def test_a_ring_the_kernel_would_read_past_is_refused(rng):
         return layer
 
     state = layer().state()
-    for slots in (24, 48):  # 48: whole tiles of 16 keys, not of the widest (64)
+    for slots in (24, 40):
         for stream in (state.keys, state.values):
             stream.rings[0]._reallocate(slots, keep_from=0)
-        with pytest.raises(ValueError, match=f"the keys ring has {slots} slots.*multiple of 64"):
+        with pytest.raises(ValueError, match=f"the keys ring has {slots} slots.*multiple of 16"):
             kernels.attention(state, q, mask, scale=0.1, backend="triton")
     state = layer().state()
     ring = state.values.rings[0]
@@ -481,9 +472,10 @@ def decode_step_after_200_keys(rng, coded_values: bool):
 
 
 def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
-    """A decode step cut into 16-key splits by the argument (the default left at 512) equals
-    the reference; a partition that is not a positive multiple of the key tile is refused."""
-    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 512)
+    """A decode step cut into 16-key splits by the argument (the default left at one split)
+    equals the reference; a partition that is not a positive multiple of the key tile is
+    refused."""
+    monkeypatch.setattr(geo, "DEFAULT_SPLITS", 1)
     state, q, mask, expected = decode_step_after_200_keys(rng, coded_values=False)
     calls = []
     original = launch.attention
@@ -496,231 +488,39 @@ def test_partition_sets_the_splits_of_a_decode_step(rng, monkeypatch):
     for bad in (0, -16, 10, 16.0, True):
         with pytest.raises(ValueError, match="partition must be a positive multiple of 16"):
             kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=bad)
-    for bad in (0, 3, 8, 2.0, True):
-        with pytest.raises(ValueError, match="lanes must be a power of two up to 4"):
-            kernels.attention(state, q, mask, scale=0.1, backend="triton", lanes=bad)
 
 
-def test_an_explicit_partition_is_tuned_over_the_tiles_that_divide_it(
-    rng, recorded, monkeypatch, fresh_tuning
-):
-    """A partition of 16 keys is whole tiles only of the 16-key configurations, so only they
-    are timed; one of 128 keys, of every configuration. The stand-in bench makes the widest
-    tile the fastest, so the step then runs in tiles of 64 keys, in splits of whole tiles, and
-    equals the reference. A partition that no configuration divides is refused."""
-    monkeypatch.setattr(geo, "DEFAULT_PARTITION", 512)
-    state, q, mask, expected = decode_step_after_200_keys(rng, coded_values=True)
-    timed = []
-
-    def bench(run):  # the wider the tile, the faster
-        run()
-        keywords = recorded.launches.pop()[1]
-        timed.append(keywords["BLOCK_S"])
-        return 1.0 / keywords["BLOCK_S"]
-
-    monkeypatch.setattr(launch, "BENCH", bench)
-    tiles = [config.block_s for config in geo.tuned_configs()]
-    # 200 keys in splits of at most 128: two of 112 keys in tiles of 16, of 128 in tiles of 64
-    for partition, tile, splits in ((16, 16, 13), (128, 64, 2)):
-        timed.clear(), recorded.launches.clear()
-        got = kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=partition)
-        assert timed == [tile for tile in tiles if partition % tile == 0]
+def test_a_decode_step_has_the_same_splits_and_buffers_at_every_context(rng, recorded, monkeypatch):
+    """A decode step's splits are a fixed number (``limits.decode_splits``: 2 waves of 132 SMs
+    for 8 programs would be 33), each a whole number of key tiles covering the context, and
+    their partial results are one buffer made once: the launches at two context lengths pass
+    the same ``n_splits`` and the same ``part_acc`` tensor, and both equal the reference."""
+    assert geo.decode_splits(8, 132) == 33 and geo.decode_splits(1, 132) == geo.MAX_SPLITS
+    assert 8 * geo.decode_splits(8, 132) >= 2 * 132  # at least two waves on an H100/H200
+    monkeypatch.setattr(geo, "DEFAULT_SPLITS", 5)
+    seen = []
+    for _ in range(2):
+        state, q, mask, expected = decode_step_after_200_keys(rng, coded_values=True)
+        got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
         assert relative_error(got, expected) <= TOLERANCE
-        [(arguments, keywords)] = recorded.launches
-        assert keywords["BLOCK_S"] == tile
-        assert (arguments["partition"], arguments["n_splits"]) == (partition, splits)
+        arguments, _ = recorded.launches[-1]
+        assert arguments["n_splits"] == 5 and arguments["partition"] % geo.ATTENTION_BLOCK_S == 0
+        assert arguments["n_splits"] * arguments["partition"] >= state.end - arguments["split_lo"]
+        seen.append(arguments["part_acc_ptr"])
+    assert seen[0] is seen[1]
     assert_compiled_ahead_of_time(recorded, listed=False)
-    monkeypatch.setattr(geo, "ATTENTION_CONFIGS", geo.WIDE_TILE_CONFIGS[1:])
-    monkeypatch.setattr(geo, "PIPELINED_CONFIGS", ())
-    monkeypatch.setattr(geo, "WIDE_TILE_CONFIGS", ())
-    with pytest.raises(ValueError, match=r"partition 32 is a whole number of key tiles in none"):
-        kernels.attention(state, q, mask, scale=0.1, backend="triton", partition=32)
 
 
-@pytest.mark.parametrize("index", range(len(geo.tuned_configs())))
-def test_every_configuration_matches_the_torch_implementation(
-    index, rng, recorded, monkeypatch, fresh_tuning
-):
-    """Interpreted, a launch takes the first configuration (nothing to time), which the test
-    above checks; a GPU may launch any of ``limits.tuned_configs()``, so each is forced here
-    in turn, on the presets' format (2-bit values, read in pairs where the configuration says
-    so) and one of 4-bit keys and 3-bit values, and every launch is seen to run in it (the
-    interpreter ignores pipeline stages: what they change, a GPU compile, the AOT test
-    compiles). A configuration of wider key tiles also runs a longer sliding window, over
-    several of its tiles and splits."""
-    config = geo.tuned_configs()[index]
-    monkeypatch.setattr(geo, "ATTENTION_CONFIGS", (config,))
-    monkeypatch.setattr(geo, "PIPELINED_CONFIGS", ())
-    monkeypatch.setattr(geo, "WIDE_TILE_CONFIGS", ())
-    wider = next(
-        case for case in CASES if case.values == ("turboquant-mse", 3, {"rotation": "hadamard"})
-    )
-    cases = (CASES[0], wider) + ((LONG_CASE,) if config.block_s > geo.ATTENTION_BLOCK_S else ())
-    for case in cases:
-        test_triton_attention_matches_the_torch_implementation(case, rng, recorded)
+def test_a_layer_runs_in_the_configuration_of_its_format(rng, recorded):
+    """No configuration is tuned or timed: the presets' format runs on tensor cores in four
+    warps, and an accumulator wider than 128 columns (a rotor's padded values at head_dim 128:
+    two blocks of 128) on the CUDA cores in eight."""
+    assert geo.attention_config(128) == geo.ATTENTION_CONFIG
+    assert geo.attention_config(256) == geo.CUDA_CORE_CONFIG
+    state, q, mask, expected = decode_step_after_200_keys(rng, coded_values=True)
+    got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
+    assert relative_error(got, expected) <= TOLERANCE
     for _, keywords in recorded.launches:
-        assert (keywords["num_warps"], keywords["num_stages"]) == (
-            config.num_warps,
-            config.num_stages,
-        )
+        config = geo.attention_config(keywords["BLOCK_V"])
+        assert keywords["num_warps"] == config.num_warps
         assert config.constexprs().items() <= keywords.items()
-
-
-@pytest.fixture
-def fresh_tuning(monkeypatch):
-    """No configuration tuned, no spill known, no warning given yet."""
-    for name in ("_CONFIG_OF", "_SPILLS"):
-        monkeypatch.setattr(launch, name, {})
-    monkeypatch.setattr(launch, "_WARNED", set())
-
-
-def test_spilling_configurations_are_never_launched_and_the_fastest_other_is_kept(
-    rng, monkeypatch, fresh_tuning
-):
-    """The formats are compile-time, so a GPU can launch a specialization the AOT test did not
-    compile. Before a layer format's first launch, each of ``limits.tuned_configs()`` is
-    compiled (``warmup``; on a GPU Triton returns the compiled kernel with the registers it
-    spills, the interpreter nothing); a configuration that spills is never launched, not even
-    to be timed. Of those left, each is timed (``launch.BENCH``) and the fastest is kept for
-    the format's later launches of the same tuning key. When all spill, the last of
-    ``limits.ATTENTION_CONFIGS`` (before the pipelined ones) is launched and a warning names
-    the format, once. The stand-in bench says the later a configuration
-    the faster, the opposite of the order of preference, so a tuner that kept the first that
-    fits (or never timed) fails; one that timed a spilling kernel fails on ``timed``."""
-
-    class Compiled:
-        """As Triton's CompiledKernel: its spills are known once it is loaded (``run``)."""
-
-        n_spills = None
-
-        def __init__(self, spills):
-            self.spills = spills
-
-        @property
-        def run(self):
-            self.n_spills = self.spills
-            return None
-
-    configs = geo.tuned_configs()
-    last = len(configs) - 1
-    fallback = configs.index(geo.ATTENTION_CONFIGS[-1])  # the one that fits every format
-    assert fallback < last  # the pipelined and wide-tile configurations come after it
-    warmed, launched, timed = [], [], []
-
-    def which(kwargs) -> int:
-        """The index of the configuration a launch's keywords name."""
-        config = geo.AttentionConfig(
-            kwargs["num_warps"],
-            bool(kwargs["SCORE_TENSOR_CORES"]),
-            bool(kwargs["VALUE_PAIRS"]),
-            kwargs["num_stages"],
-            kwargs["BLOCK_S"],
-        )
-        return configs.index(config)
-
-    class Launch:
-        def warmup(self, *args, grid, **kwargs):
-            index, v_bits = which(kwargs), kwargs["v_bits"]
-            warmed.append((index, v_bits))
-            # 2-bit values spill everywhere, 4-bit ones but in the last configuration,
-            # 1-bit ones in the first only, 3-bit ones nowhere
-            spills = v_bits == 2 or (v_bits == 4 and index < last) or (v_bits == 1 and index == 0)
-            return Compiled(12 if spills else 0)
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                launched.append((which(kwargs), kwargs["v_bits"]))
-                return original[grid](*args, **kwargs)
-
-            return run
-
-    def bench(run):
-        run()
-        timed.append(launched.pop())
-        return 1.0 + last - timed[-1][0]  # the later, the faster
-
-    original = launch.attention_kernel
-    monkeypatch.setattr(launch, "attention_kernel", Launch())
-    monkeypatch.setattr(launch, "BENCH", bench)
-    d = 64
-    mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
-
-    def state(value_bits):
-        keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, value_bits))
-        layer = CompressedLayer(0, keys, values)
-        layer.active = True
-        x = torch.randn(2, 1, 1, 5, d, generator=rng)
-        layer.update(x[0], x[1])
-        return layer.state()
-
-    spills, fits_last, fits_all, fits_later = state(2), state(4), state(3), state(1)
-    with pytest.warns(RuntimeWarning, match=r"v_bits': 2.*spills 12 registers"):
-        kernels.attention(spills, q, mask, scale=0.1, backend="triton")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the format's later launches are quiet
-        kernels.attention(spills, q, mask, scale=0.1, backend="triton")
-        for layer in (fits_last, fits_last, fits_all, fits_all, fits_later, fits_later):
-            kernels.attention(layer, q, mask, scale=0.1, backend="triton")
-    every = range(len(configs))
-    assert warmed == [(i, bits) for bits in (2, 4, 3, 1) for i in every]
-    # only where more than one fits, once, and never a spilling one
-    assert timed == [(i, 3) for i in every] + [(i, 1) for i in every if i > 0]
-    expected = {2: fallback, 4: last, 3: last, 1: last}  # all spill: the fallback, warned
-    assert launched == [(expected[bits], bits) for bits in (2, 4, 3, 1) for _ in range(2)]
-
-    # inside a CUDA graph capture nothing is timed (it would synchronize) or kept
-    launch.reset_tuning()
-    warmed.clear(), launched.clear(), timed.clear()
-    monkeypatch.setattr(launch, "_capturing_graph", lambda: True)
-    kernels.attention(fits_all, q, mask, scale=0.1, backend="triton")
-    assert (timed, launched, launch._CONFIG_OF) == ([], [(0, 3)], {})
-    monkeypatch.setattr(launch, "_capturing_graph", lambda: False)
-    kernels.attention(fits_all, q, mask, scale=0.1, backend="triton")
-    assert timed == [(i, 3) for i in every] and launched == [(0, 3), (last, 3)]
-
-
-def test_a_tuning_key_is_the_phase_and_the_power_of_two_of_the_span():
-    """Decode steps and prompts tune apart; a context tunes again each time it doubles."""
-    assert launch.tuning_key(1, 1000) == launch.tuning_key(1, 600) != launch.tuning_key(1, 1100)
-    assert launch.tuning_key(1, 1000) != launch.tuning_key(2, 1000)
-    assert launch.tuning_key(3, 0) == launch.tuning_key(5, 1)
-    spans = range(1, 131073)
-    assert len({launch.tuning_key(1, span) for span in spans}) == 18  # 2^0 .. 2^17
-
-
-def test_the_tuner_runs_in_the_interpreter_with_the_host_clock(rng, monkeypatch, fresh_tuning):
-    """With ``wall_clock_bench`` the interpreter times every configuration (the tuner's own
-    code runs on a CPU; its choice there says nothing about a GPU), keeps the fastest measured
-    one, and the result is the reference's whichever it is. Without a bench the interpreter
-    times nothing and takes the first configuration."""
-    d = 64
-    mask, q = CausalMask(1, 0, 5, 0, 5), torch.randn(1, 2, 5, d, generator=rng)
-    keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
-    layer = CompressedLayer(0, keys, values)
-    layer.active = True
-    x = torch.randn(2, 1, 1, 5, d, generator=rng)
-    layer.update(x[0], x[1])
-    state = layer.state()
-    kernel_state = numerics.on_kernel_codebook(state)
-    expected = reference.attention(kernel_state, q.double(), mask, scale=0.1, dtype=torch.float64)
-
-    got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
-    assert list(launch._CONFIG_OF.values()) == [geo.tuned_configs()[0]]
-    assert relative_error(got, expected) <= TOLERANCE
-
-    launch.reset_tuning()
-    measured = {}
-
-    def bench(run):
-        runs = []
-        ms = launch.wall_clock_bench(lambda: runs.append(1) or run(), repeats=2)
-        assert len(runs) == 3  # one untimed, then the repeats
-        measured[len(measured)] = ms
-        return ms
-
-    monkeypatch.setattr(launch, "BENCH", bench)
-    got = kernels.attention(state, q, mask, scale=0.1, backend="triton")
-    assert len(measured) == len(geo.tuned_configs())
-    fastest = min(measured, key=measured.get)
-    assert list(launch._CONFIG_OF.values()) == [geo.tuned_configs()[fastest]]
-    assert relative_error(got, expected) <= TOLERANCE

@@ -132,7 +132,6 @@ def attention(
     softcap: float | None = None,
     backend: str | None = None,
     partition: int | None = None,
-    lanes: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, Lq, d]`` over one layer of the compressed cache.
 
@@ -145,12 +144,9 @@ def attention(
     ``ValueError`` naming the feature (:func:`rqlib.kernels.limits.check_state`).
 
     ``partition``: at most this many keys per split of a decode step in the Triton kernel (a
-    positive multiple of ``ATTENTION_BLOCK_S``; only configurations whose key tiles divide it
-    are tuned over); by default the splits are chosen from the GPU's SM count
-    (:func:`rqlib.kernels.limits.decode_splits`). ``lanes``: cut each key tile
-    of the Triton kernel into this many lanes (1, 2 or 4; by default
-    :func:`rqlib.kernels.limits.lanes` of the rows, see :mod:`rqlib.kernels.triton_attention`).
-    The torch path has neither and ignores them.
+    positive multiple of ``ATTENTION_BLOCK_S``); by default a fixed number of splits chosen
+    from the GPU's SM count (:func:`rqlib.kernels.limits.decode_splits`). The torch path has
+    no splits and ignores it.
     """
     if partition is not None and (
         isinstance(partition, bool)
@@ -162,12 +158,6 @@ def attention(
             f"partition must be a positive multiple of {geo.ATTENTION_BLOCK_S} keys, got "
             f"{partition!r}"
         )
-    if lanes is not None and (
-        isinstance(lanes, bool)
-        or not isinstance(lanes, int)
-        or lanes not in {2**i for i in range(geo.MAX_LANES.bit_length())}
-    ):
-        raise ValueError(f"lanes must be a power of two up to {geo.MAX_LANES}, got {lanes!r}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
         raise ValueError("q must be a float tensor [batch, q_heads, q_len, head_dim]")
     if q.shape[2] != state.end - state.start:
@@ -180,7 +170,7 @@ def attention(
         return reference.attention(state, q, mask, scale=scale, softcap=softcap)
     geo.check_query(q)
     geo.check_state(state)
-    return _launch_module().attention(state, q, mask, float(scale), softcap, partition, lanes)
+    return _launch_module().attention(state, q, mask, float(scale), softcap, partition)
 
 
 def check_layer(keys, values, band_keys=None, band_values=None) -> None:

@@ -12,9 +12,9 @@ The kernels must be real ``JITFunction`` objects, so this module refuses to run 
     python -m rqlib.kernels.aot            # one JSON line per (kernel, specialization, arch)
 
 The fused-score, quantize and reduce kernels have every specialization the dispatcher can pick
-listed; the attention kernel compiles one per layer format and lanes (an open set, of which
-:func:`attention_layouts` lists a covering one), each in the configurations of
-``limits.ATTENTION_CONFIGS`` in order until one does not spill. Triton's JIT also
+listed; the attention kernel compiles one per layer format (an open set, of which
+:func:`attention_layouts` lists a covering one), in the configuration of its format
+(``limits.attention_config``). Triton's JIT also
 specializes integer arguments equal to 1 (e.g. q_len = 1 in decode) and pointer/integer
 divisibility by 16 at launch; those variants are the same source with extra hints, and one of
 them (all of group, q_len = 1) is compiled here as a representative.
@@ -85,10 +85,10 @@ ATTENTION_BYTES = (
 ).split()
 #: exact vectors of the attention kernel, in the layer's dtype
 ATTENTION_EXACT = "k_exact_ptr v_exact_ptr bk_exact_ptr bv_exact_ptr sink_k_ptr sink_v_ptr".split()
-#: the attention kernel's centroids of the values, in rqlib.kernels.numerics.CODEBOOK_DTYPE (a
-#: codebook, or a table of centroid pairs where the configuration's AttentionConfig.value_pairs),
-#: and its tables of the keys' centroid pairs (rqlib.kernels.numerics.kernel_table), of
-#: centroids in the configuration's AttentionConfig.score_codebook_dtype
+#: the attention kernel's centroids of the values, a codebook in
+#: rqlib.kernels.numerics.CODEBOOK_DTYPE, and its tables of the keys' centroid pairs
+#: (rqlib.kernels.numerics.kernel_table), of centroids in the configuration's
+#: AttentionConfig.score_codebook_dtype
 ATTENTION_CODEBOOKS = "v_centroids_ptr bv_centroids_ptr".split()
 ATTENTION_SCORE_TABLES = "k_table_ptr bk_table_ptr".split()
 
@@ -119,10 +119,8 @@ def attention_layouts() -> list[tuple[dict, str]]:
     each dtype; every code width 1-8 for keys and for values, with each kind of band; QJL keys,
     with and without codes; exact keys with coded values and the reverse; the rotors' padded
     widths (at head_dim 256, values 258 wide: two value blocks); and softcapped scores at head
-    dims 128 and 256. Each is compiled in every configuration of
-    :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`; a launched format, in the list or not, runs
-    in the fastest measured of its configurations that do not spill, and warns when all do
-    (``launch.attention_config``)."""
+    dims 128 and 256. Each is compiled in the configuration of its format
+    (:func:`rqlib.kernels.limits.attention_config`), the one a launch runs."""
     fmt, formats = geo.StreamFormat, geo.attention_formats
     exact = fmt(exact=True)
 
@@ -160,97 +158,46 @@ def attention_layouts() -> list[tuple[dict, str]]:
 
 
 def attention_specialization(
-    layout: dict,
-    dtype: str,
-    config: geo.AttentionConfig = geo.ATTENTION_CONFIGS[0],
-    lanes: int = 1,
+    layout: dict, dtype: str, config: geo.AttentionConfig | None = None
 ) -> Specialization:
     """``attention_kernel`` compiled for the compile-time arguments ``layout`` (a layer's
     :func:`rqlib.kernels.limits.attention_formats` and ``SOFTCAP``) and exact vectors of
-    ``dtype``, in ``config`` (one of :data:`rqlib.kernels.limits.ATTENTION_CONFIGS`), with key
-    tiles cut into ``lanes`` lanes (:func:`rqlib.kernels.limits.lanes`), and the tiles and
-    compile options that ``launch.attention`` picks for it."""
+    ``dtype``, in ``config`` (default: the one ``launch.attention`` runs the format in,
+    :func:`rqlib.kernels.limits.attention_config`), with the tiles and compile options that
+    ``launch.attention`` picks for it."""
     pointers = {name: "u8" for name in ATTENTION_BYTES}
     pointers.update({name: dtype for name in ATTENTION_EXACT})
-    values = POINTER_DTYPES[PAIR_DTYPES[CODEBOOK_DTYPE]] if config.value_pairs else CODEBOOK
-    pointers.update({name: values for name in ATTENTION_CODEBOOKS})
+    pointers.update({name: CODEBOOK for name in ATTENTION_CODEBOOKS})
+    block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
+    width = block * geo.value_blocks(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
+    config = geo.attention_config(width) if config is None else config
     scores = POINTER_DTYPES[PAIR_DTYPES[config.score_codebook_dtype]]
     pointers.update({name: scores for name in ATTENTION_SCORE_TABLES})
-    block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
     constexprs = {
         **layout,
         "BLOCK_V": block,
         **ATTENTION_TILE,
         "CHUNK": geo.attention_chunk(block),
         **config.constexprs(),
-        "LANES": lanes,
     }
     return Specialization(
         "attention_kernel",
         constexprs,
         pointers,
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
         maxnreg=geo.ATTENTION_MAX_REGISTERS,
     )
 
 
-#: The lanes a launch cuts key tiles into, over every block of 1 .. BLOCK_ROWS rows.
-LANES = tuple(sorted({geo.lanes(rows) for rows in range(1, geo.BLOCK_ROWS + 1)}))
-
-
-def attention_groups() -> list[list[Specialization]]:
-    """For each layout of :func:`attention_layouts` and each of :data:`LANES`, the
-    specializations of every configuration, in ``limits.ATTENTION_CONFIGS``' order of
-    preference: a launch runs the first of a group that does not spill where nothing is
-    timed, and on a GPU the fastest of those that do not (``launch.attention_config``)."""
-    return [
-        [attention_specialization(layout, dtype, config, lanes) for config in geo.ATTENTION_CONFIGS]
-        for layout, dtype in attention_layouts()
-        for lanes in LANES
-    ]
-
-
-#: head dimensions whose presets' layout is also compiled software-pipelined
-PIPELINED_HEAD_DIMS = (64, 128)
-
-
-def pipelined_specializations() -> list[Specialization]:
-    """The presets' layout (3-bit keys, 2-bit values, a band of 8-bit codes, 11-bit norms,
-    fp16 exact streams) at :data:`PIPELINED_HEAD_DIMS`, in a decode step's lanes and a
-    prompt's, in each of ``limits.PIPELINED_CONFIGS``: the configurations a launch reaches only
-    where it is timed (``launch.attention_config``), so that they are known to compile, and
-    their registers and spills are reported."""
-    return [
-        attention_specialization(coded_layout(d), "fp16", config, lanes)
-        for d in PIPELINED_HEAD_DIMS
-        for lanes in (max(LANES), 1)
-        for config in geo.PIPELINED_CONFIGS
-    ]
-
-
-#: head dimensions whose presets' layout is also compiled in wider key tiles
-WIDE_TILE_HEAD_DIMS = (64, 128)
-
-
-def wide_tile_specializations() -> list[Specialization]:
-    """The presets' layout (as :func:`pipelined_specializations`) at
-    :data:`WIDE_TILE_HEAD_DIMS`, in a decode step's lanes and a prompt's, in each of
-    ``limits.WIDE_TILE_CONFIGS``: tiles of more keys, which a launch reaches only where it is
-    timed."""
-    return [
-        attention_specialization(coded_layout(d), "fp16", config, lanes)
-        for d in WIDE_TILE_HEAD_DIMS
-        for lanes in (max(LANES), 1)
-        for config in geo.WIDE_TILE_CONFIGS
-    ]
+def attention_specializations() -> list[Specialization]:
+    """The specialization of each layout of :func:`attention_layouts`."""
+    return [attention_specialization(layout, dtype) for layout, dtype in attention_layouts()]
 
 
 def specializations() -> list[Specialization]:
     """Every constexpr / pointer-type combination the host code in launch.py can launch: the
-    fused-score, quantize and reduce kernels, every group of :func:`attention_groups` and the
-    configurations reached only where timed (:func:`pipelined_specializations`,
-    :func:`wide_tile_specializations`)."""
+    fused-score, quantize and reduce kernels, and the attention kernel for each layout of
+    :func:`attention_layouts`."""
     specs = [
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS),
         Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS, ones=("group", "q_len")),
@@ -263,8 +210,7 @@ def specializations() -> list[Specialization]:
             "reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS
         ),
     ]
-    groups = [spec for group in attention_groups() for spec in group]
-    return specs + groups + pipelined_specializations() + wide_tile_specializations()
+    return specs + attention_specializations()
 
 
 def kernel_objects() -> dict:
@@ -410,43 +356,17 @@ def supported_archs() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compile for the archs given as arguments (default: every supported one); one JSON line
-    each. The fused-score, quantize and reduce kernels compile every specialization; each group
-    of :func:`attention_groups` compiles its configurations in order until one does not spill
-    (what a launch runs where nothing is timed), each record naming its group; the
-    configurations reached only where timed are compiled too, their records marked
-    ``pipelined`` (:func:`pipelined_specializations`) or ``wide_tile``
-    (:func:`wide_tile_specializations`): a spill there is reported, not a failure (the tuner
-    drops it)."""
+    """Compile every specialization of :func:`specializations` for the archs given as arguments
+    (default: every supported one); one JSON line each. Exit 1 if any produced no cubin (a
+    spill is reported in the record's ``stack``, not a failure here: the tests judge it)."""
     archs = [int(a) for a in (argv if argv is not None else sys.argv[1:])] or supported_archs()
     kernels = kernel_objects()
     failures = 0
     for spec in specializations():
-        if spec.kernel == "attention_kernel":
-            continue
         for arch in archs:
             record = compile_one(kernels[spec.kernel], spec, arch)
             failures += not record["ok"]
             print(json.dumps(record), flush=True)
-    for marker, timed in (
-        ("pipelined", pipelined_specializations()),
-        ("wide_tile", wide_tile_specializations()),
-    ):
-        for spec in timed:
-            for arch in archs:
-                record = compile_one(kernels[spec.kernel], spec, arch)
-                record[marker] = True
-                failures += not record["ok"]
-                print(json.dumps(record), flush=True)
-    for group in attention_groups():
-        for arch in archs:
-            for spec in group:
-                record = compile_one(kernels[spec.kernel], spec, arch)
-                record["group"] = group[0].label
-                failures += not record["ok"]
-                print(json.dumps(record), flush=True)
-                if record["ok"] and record.get("stack", 0) == 0:
-                    break
     return 1 if failures else 0
 
 

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
-import time
-import warnings
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -26,17 +22,11 @@ from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
-#: How the attention tuner times a launch: ``BENCH(run) -> milliseconds``, ``run`` launching the
-#: kernel once. ``None``: ``triton.testing.do_bench`` for a compiled kernel (a GPU), and no
-#: timing for an interpreted one, which takes the first configuration (the interpreter's speed
-#: says nothing about a GPU's). :func:`wall_clock_bench` times the interpreter on the host's
-#: clock, so that the tuner itself runs on a CPU.
-BENCH: Callable[[Callable[[], object]], float] | None = None
-#: (layer format, tuning key) -> the attention configuration it launches in
-_CONFIG_OF: dict = {}
-#: (layer format, configuration) -> registers its compiled kernel spills (None: interpreted)
-_SPILLS: dict = {}
-_WARNED: set = set()  # layer formats warned about: every configuration spills
+#: Buffers made once and reused by every launch: one-element stand-ins for pointers a kernel
+#: never reads, per (device, dtype), and a decode step's partial results, per (device, shape)
+#: (:func:`decode_partials`).
+_DUMMIES: dict = {}
+_PARTIALS: dict = {}
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -124,8 +114,12 @@ def fused_scores(q: torch.Tensor, keys, scale: float, out: torch.Tensor | None) 
 
 
 def _dummy(device, dtype=torch.uint8) -> torch.Tensor:
-    """A one-element stand-in for a pointer the kernel never reads."""
-    return torch.zeros(1, dtype=dtype, device=device)
+    """A one-element stand-in for a pointer the kernel never reads, made once per device and
+    dtype."""
+    key = (torch.device(device), dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _DUMMIES[key]
 
 
 def _ring_arguments(stream, device, exact_dtype):
@@ -175,12 +169,12 @@ def _check_tiles(stream, name: str) -> None:
     masks)."""
     if stream is None:
         return
-    widest = geo.widest_tile()
+    tile = geo.ATTENTION_BLOCK_S
     for ring in stream.rings:
-        if ring.capacity % widest:
+        if ring.capacity % tile:
             raise ValueError(
                 f"the {name} ring has {ring.capacity} slots; the attention kernel reads "
-                f"tiles of up to {widest} keys and needs a multiple of {widest} "
+                f"tiles of {tile} keys and needs a multiple of {tile} "
                 f"(store.round_capacity rounds to {geo.RING_GRANULE})"
             )
         for buffer in ("norms", "rnorms"):
@@ -231,8 +225,8 @@ def _sm_count(device_type: str, index: int | None) -> int | None:
 
 
 class SplitPlan(NamedTuple):
-    """How a launch cuts its keys in one configuration: its ``grid``, ``n_splits`` splits of
-    ``partition`` keys from position ``split_lo`` (all on whole key tiles)."""
+    """How a launch cuts its keys: its ``grid``, ``n_splits`` splits of ``partition`` keys from
+    position ``split_lo`` (all on whole key tiles)."""
 
     grid: tuple[int, int, int]
     n_splits: int
@@ -240,29 +234,38 @@ class SplitPlan(NamedTuple):
     split_lo: int
 
 
-def split_plan(
-    state,
-    span: int,
-    batch: int,
-    rows: int,
-    lanes: int,
-    acc_width: int,
-    device,
-    partition,
-    block: int = geo.ATTENTION_BLOCK_S,
-):
-    """``(splits, partition)`` of a decode step (one block of ``rows`` rows in ``lanes`` lanes)
-    over ``span`` keys, in splits of whole key tiles of ``block`` keys: at most ``partition``
-    keys per split when given (a multiple of ``block``), else chosen from the device's SM count
-    and the layer's bytes per key (:func:`rqlib.kernels.limits.decode_splits`)."""
+def split_plan(span: int, programs: int, device, partition: int | None) -> tuple[int, int]:
+    """``(splits, partition)`` of a decode step over ``span`` keys for ``programs`` = batch x KV
+    heads groups of rows: at most ``partition`` keys a split when given (a multiple of the key
+    tile; the tests use it to force many splits), else the fixed number of splits of
+    :func:`rqlib.kernels.limits.decode_splits` for the device, which does not change as the
+    context grows."""
     span = max(1, span)
+    block = geo.ATTENTION_BLOCK_S
     if partition is not None:
         return geo.even_partition(span, math.ceil(span / partition), block)
-    kv_heads = state.keys.rings[0].heads
-    key_bytes = sum(ring.bytes_per_token() for s in (state.keys, state.values) for ring in s.rings)
-    sm_count = _sm_count(device.type, device.index)
-    partial = geo.partial_bytes(rows, acc_width, lanes)
-    return geo.decode_splits(span, batch * kv_heads, sm_count, partial, key_bytes, block)
+    splits = geo.decode_splits(programs, _sm_count(device.type, device.index))
+    return splits, geo.split_partition(span, splits, block)
+
+
+def decode_partials(device, total_rows: int, n_splits: int, acc_width: int):
+    """``m``, ``l`` and the accumulators of ``n_splits`` splits of ``total_rows`` rows, which
+    the reduce merges: made once per device and shape and reused by every launch (a decode
+    step's splits do not change with the context, :func:`split_plan`), so that a step
+    allocates nothing. With ``POISON_BUFFERS`` they are filled with NaN before every launch."""
+    key = (torch.device(device), total_rows, n_splits, acc_width)
+    if key not in _PARTIALS:
+        f32 = torch.float32
+        _PARTIALS[key] = (
+            torch.empty((total_rows, n_splits, 3), dtype=f32, device=device),
+            torch.empty((total_rows, n_splits, 3), dtype=f32, device=device),
+            torch.empty((total_rows, n_splits, 3, acc_width), dtype=f32, device=device),
+        )
+    buffers = _PARTIALS[key]
+    if POISON_BUFFERS:
+        for buffer in buffers:
+            buffer.fill_(float("nan"))
+    return buffers
 
 
 def attention(
@@ -272,17 +275,16 @@ def attention(
     scale: float,
     softcap: float | None,
     partition: int | None,
-    lanes: int | None = None,
 ) -> torch.Tensor:
     """Launch :func:`attention_kernel` and :func:`reduce_kernel`; float32 ``[B, Hq, Lq, d]``.
 
     The host does only work independent of the context: the query side (rotations of the
     queries, scaled into fp16's range for the tensor cores by
     :func:`rqlib.kernels.numerics.scaled_rows`, and ``<q, mu>``), views of the buffers, and
-    the rotation of the accumulators back. A
-    decode step's keys are cut into splits (:func:`split_plan`: of at most ``partition`` keys,
-    or chosen from the SM count), and each key tile into ``lanes`` lanes (by default
-    :func:`rqlib.kernels.limits.lanes` of the rows)."""
+    the rotation of the accumulators back. A decode step's keys are cut into a fixed number of
+    splits (:func:`split_plan`), whose partial results are allocated once
+    (:func:`decode_partials`); the layer runs in the one configuration of its format
+    (:func:`rqlib.kernels.limits.attention_config`)."""
     batch, q_heads, length, head_dim = q.shape
     device = q.device
     keys, values = state.keys, state.values
@@ -301,29 +303,28 @@ def attention(
     # the query side: rows ordered (batch, KV head, position, head of the group)
     rows = q.float().reshape(batch, kv_heads, group, length, head_dim).transpose(2, 3)
     rows = rows.reshape(batch, kv_heads, n_rows, head_dim)
-    zeros = rows.new_zeros(1)
+    zeros = _dummy(device, torch.float32)
     q_main, q_main_scale, q_sketch = zeros, zeros, zeros
     mean = rows.new_zeros(batch, kv_heads, n_rows)  # <q, mu>
     if not keys.is_exact:
         qz = keys.parts[0].quantizer
-        scaled = rows if keys.scale is None else rows / keys.scale.float().to(device)[None, :, None]
-        rotated = scaled @ qz.rotation.matrix.to(device).T
+        constants = numerics.stream_constants(keys, device)
+        scaled = rows if constants.scale is None else rows / constants.scale[None, :, None]
+        rotated = scaled @ constants.rotation.T
         q_main, q_main_scale = numerics.scaled_rows(rotated)
         if qz.has_qjl:
-            q_sketch = (rotated @ qz.sketch.to(device).T).contiguous()
-        if keys.mean is not None:
-            mean = (rows * keys.mean.float().to(device)[None, :, None]).sum(-1).contiguous()
+            q_sketch = (rotated @ constants.sketch.T).contiguous()
+        if constants.mean is not None:
+            mean = (rows * constants.mean[None, :, None]).sum(-1).contiguous()
     q_band, q_band_scale, band_mean = zeros, zeros, rows.new_zeros(batch, kv_heads, n_rows)
     band_k_mode = band_v_mode = 0
     if state.band_keys is not None:
         band_k_mode = 1 if state.band_keys.is_exact else 2
         if band_k_mode == 2:
-            band = state.band_keys
-            rotated = rows @ band.parts[0].quantizer.rotation.matrix.to(device).T
-            q_band, q_band_scale = numerics.scaled_rows(rotated)
-            if band.mean is not None:
-                band_mean = (rows * band.mean.float().to(device)[None, :, None]).sum(-1)
-                band_mean = band_mean.contiguous()
+            constants = numerics.stream_constants(state.band_keys, device)
+            q_band, q_band_scale = numerics.scaled_rows(rows @ constants.rotation.T)
+            if constants.mean is not None:
+                band_mean = (rows * constants.mean[None, :, None]).sum(-1).contiguous()
     if state.band_values is not None:
         band_v_mode = 1 if state.band_values.is_exact else 2
     rows = rows.contiguous()
@@ -357,123 +358,66 @@ def attention(
         None if state.band_keys is None else geo.StreamFormat.of(state.band_keys),
         None if state.band_values is None else geo.StreamFormat.of(state.band_values),
     )
-    compile_time = {**formats, "SOFTCAP": int(bool(softcap and softcap > 0))}
-    if lanes is None:  # few rows: each key tile cut into lanes (triton_attention)
-        lanes = geo.lanes(n_rows)
     v_dim = head_dim if values.is_exact else formats["v_dim"]
     bv_dim = formats["bv_dim"]
     value_width = max(head_dim, v_dim, bv_dim)
     block_v, value_blocks = geo.value_block(value_width), geo.value_blocks(value_width)
     acc_width = block_v * value_blocks
+    config = geo.attention_config(acc_width)
     first = state.first
     if causal and window:
         first = max(first, state.start - window + 1)
-    n_row_blocks = math.ceil(n_rows / (geo.BLOCK_ROWS // lanes))
+    n_row_blocks = math.ceil(n_rows / geo.BLOCK_ROWS)
     total_rows = batch * kv_heads * n_rows
-    plans, partials = {}, {}
-
-    def plan(config: geo.AttentionConfig) -> SplitPlan:
-        """The splits of this launch in ``config``: they start on its whole key tiles."""
-        if config not in plans:
-            split_lo = first - first % config.block_s
-            span = state.end - split_lo
-            if n_row_blocks == 1:
-                n_splits, part = split_plan(
-                    state, span, batch, n_rows, lanes, acc_width, device, partition, config.block_s
-                )
-            else:  # a prompt: its row blocks provide the parallelism, one split each
-                n_splits, part = geo.even_partition(span, 1, config.block_s)
-            grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
-            plans[config] = SplitPlan(grid, n_splits, part, split_lo)
-        return plans[config]
-
-    def partial_results(n_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``m``, ``l`` and the accumulators of ``n_splits`` splits of each lane (the reduce
-        merges them), shared by the configurations that cut the keys alike."""
-        if n_splits not in partials:
-            n_parts = n_splits * lanes
-            partials[n_splits] = (
-                empty((total_rows, n_parts, 3), torch.float32, device),
-                empty((total_rows, n_parts, 3), torch.float32, device),
-                empty((total_rows, n_parts, 3, acc_width), torch.float32, device),
-            )
-        return partials[n_splits]
-
-    def arguments(config: geo.AttentionConfig) -> tuple:
-        """The launch's arguments in ``config``, whose scores read the keys' centroids in its
-        dtype, whose values read a codebook or a table of centroid pairs, and whose splits
-        start on its key tiles."""
-        splits = plan(config)
-        part_m, part_l, part_acc = partial_results(splits.n_splits)
-        k_table, bk_table = (
-            _centroid_table(stream, device, config.score_codebook_dtype)
-            for stream in (keys, state.band_keys)
+    split_lo = first - first % config.block_s
+    span = state.end - split_lo
+    if n_row_blocks == 1:  # a decode step: the keys cut into splits
+        n_splits, part = split_plan(span, batch * kv_heads, device, partition)
+        part_m, part_l, part_acc = decode_partials(device, total_rows, n_splits, acc_width)
+    else:  # a prompt: its row blocks provide the parallelism, one split each
+        n_splits, part = geo.even_partition(max(1, span), 1, config.block_s)
+        part_m, part_l, part_acc = (
+            empty((total_rows, n_splits, 3), torch.float32, device),
+            empty((total_rows, n_splits, 3), torch.float32, device),
+            empty((total_rows, n_splits, 3, acc_width), torch.float32, device),
         )
-        v_table, bv_table = (
-            _centroid_table(stream, device, numerics.CODEBOOK_DTYPE)
-            if config.value_pairs
-            else ptrs[5]
-            for stream, ptrs in ((values, v_ptrs), (state.band_values, bv_ptrs))
-        )
-        return (
-            rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
-            *k_ptrs[:5], k_table, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_table,
-            bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_table,
-            bv_ptrs[0], bv_ptrs[1], bv_exact, bv_table,
-            sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
-            kv_heads, group, n_rows, state.start, first, state.end,
-            splits.n_splits, splits.partition, splits.split_lo,
-            value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
-            *mask_strides, float(scale), float(softcap or 0.0),
-            *k_sizes, *k_strides,
-            *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
-            max(bk_sizes[0], 1), bv_cap,
-            *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
-            *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
-            *sink_k_strides, *sink_v_strides, sv_cap,
-        )  # fmt: skip
-
-    options = dict(
-        **compile_time,
-        LANES=lanes,
+    grid = (batch * kv_heads, n_row_blocks, n_splits * value_blocks)
+    k_table, bk_table = (
+        _centroid_table(stream, device, config.score_codebook_dtype)
+        for stream in (keys, state.band_keys)
+    )
+    attention_kernel[grid](
+        rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
+        *k_ptrs[:5], k_table, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
+        bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_table,
+        bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
+        sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
+        kv_heads, group, n_rows, state.start, first, state.end,
+        n_splits, part, split_lo,
+        value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
+        *mask_strides, float(scale), float(softcap or 0.0),
+        *k_sizes, *k_strides,
+        *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
+        max(bk_sizes[0], 1), bv_cap,
+        *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
+        *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
+        *sink_k_strides, *sink_v_strides, sv_cap,
+        **formats,
+        SOFTCAP=int(bool(softcap and softcap > 0)),
         BLOCK_V=block_v,
         BLOCK_ROWS=geo.BLOCK_ROWS,
         CHUNK=geo.attention_chunk(block_v),
-        maxnreg=geo.ATTENTION_MAX_REGISTERS,
-    )
-    layer_format = (tuple(compile_time.items()), lanes, block_v, exact_dtype, device)
-    # an explicit partition is cut into whole tiles: configurations whose tile divides it
-    configs = tuple(
-        config
-        for config in geo.tuned_configs()
-        if partition is None or partition % config.block_s == 0
-    )
-    if not configs:
-        raise ValueError(
-            f"partition {partition} is a whole number of key tiles in none of the "
-            f"configurations (key tiles of {sorted({c.block_s for c in geo.tuned_configs()})})"
-        )
-    config = attention_config(
-        layer_format,
-        tuning_key(n_row_blocks, state.end - first),
-        configs,
-        lambda config: plan(config).grid,
-        arguments,
-        options,
-    )
-    chosen = plan(config)
-    attention_kernel[chosen.grid](
-        *arguments(config),
-        **options,
         **config.constexprs(),
         num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+        maxnreg=geo.ATTENTION_MAX_REGISTERS,
+    )  # fmt: skip
     reduced = empty((total_rows, 3, acc_width), torch.float32, device)
     reduce_kernel[(total_rows, 3, math.ceil(acc_width / geo.REDUCE_BLOCK))](
-        *partial_results(chosen.n_splits),
+        part_m,
+        part_l,
+        part_acc,
         reduced,
-        chosen.n_splits * lanes,
+        n_splits,
         acc_width,
         BLOCK=geo.REDUCE_BLOCK,
         num_warps=geo.REDUCE_NUM_WARPS,
@@ -481,7 +425,7 @@ def attention(
     reduced = reduced.reshape(batch, kv_heads, n_rows, 3 * acc_width)
     out = _rotate_back(values, reduced[..., :v_dim], device)
     if band_v_mode == 2:  # slot 1: the band, in its value quantizer's rotated space
-        band_matrix = state.band_values.parts[0].quantizer.rotation.matrix.to(device)
+        band_matrix = numerics.stream_constants(state.band_values, device).rotation
         out = out + reduced[..., acc_width : acc_width + bv_dim] @ band_matrix
     elif band_k_mode > 0:  # slot 1: the band's exact values (or the main ones)
         out = out + reduced[..., acc_width : acc_width + head_dim]
@@ -491,123 +435,10 @@ def attention(
     return out.reshape(batch, q_heads, length, head_dim)
 
 
-def reset_tuning() -> None:
-    """Forget every tuned configuration and compiled kernel's spills (after a change to the
-    tiles or to ``limits.ATTENTION_CONFIGS``, as the tile sweep of ``rqlib.study.bench`` makes)."""
-    _CONFIG_OF.clear()
-    _SPILLS.clear()
-    _WARNED.clear()
-
-
-def tuning_key(row_blocks: int, span: int) -> tuple[bool, int]:
-    """The launches that share a tuned configuration: decode steps (one block of rows, the keys
-    cut into splits) apart from prompts, each per power of two of the keys they span, so that
-    a generation re-tunes a handful of times as its context grows, not at every step."""
-    return row_blocks == 1, max(1, span).bit_length()
-
-
-def attention_config(
-    layer_format: tuple,
-    key: tuple,
-    configs: tuple[geo.AttentionConfig, ...],
-    grid: Callable[[geo.AttentionConfig], tuple],
-    arguments: Callable[[geo.AttentionConfig], tuple],
-    options: dict,
-) -> geo.AttentionConfig:
-    """The configuration of ``configs`` (``limits.tuned_configs()``, less those whose key tile
-    does not divide a launch's explicit partition) a launch of ``layer_format`` runs in (warps,
-    tensor cores or not, value pairs or not, pipeline stages, keys per tile), tuned once per
-    :func:`tuning_key` ``key`` and kept.
-
-    Each configuration is compiled without being launched (``warmup``: Triton caches the
-    kernel, so later launches do not compile again) and one that spills registers to local
-    memory is dropped: no launch, timed or not, runs a spilling kernel while another
-    configuration does not spill. When more than one is left, each is timed on this launch's
-    own arguments (:data:`BENCH`; the kernel only writes its partial results, so running it
-    again changes nothing) and the fastest is kept. This is ``triton.autotune``'s job, done
-    here because the configurations differ in arguments (the tables of centroids the scores
-    and the values read) and the key is a bucket of the context, which is not a kernel
-    argument.
-
-    The software-pipelined configurations (``limits.PIPELINED_CONFIGS``) and those of wider key
-    tiles (``limits.WIDE_TILE_CONFIGS``) come last: where nothing is timed, one runs only when
-    no other configuration fits. When every
-    configuration spills (slower, not wrong), the last of ``limits.ATTENTION_CONFIGS`` is
-    taken and a warning names the format, once. The formats of a layer are compile-time, so a
-    model can launch a specialization ``tests/test_kernels_aot.py`` did not compile; this is
-    where its spill shows. An interpreted kernel compiles nothing: without a :data:`BENCH` it
-    takes the first configuration, and so does a launch while a CUDA graph is captured
-    (:func:`_capturing_graph`). ``grid`` and ``arguments`` give the launch's grid and
-    positional arguments in a configuration (its splits follow its key tiles)."""
-    if (layer_format, key, configs) in _CONFIG_OF:
-        return _CONFIG_OF[(layer_format, key, configs)]
-
-    def run(config: geo.AttentionConfig, compile_only: bool = False):
-        kernel = attention_kernel.warmup if compile_only else attention_kernel[grid(config)]
-        extra = {"grid": grid(config)} if compile_only else {}
-        return kernel(
-            *arguments(config),
-            **extra,
-            **options,
-            **config.constexprs(),
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-
-    fits = []
-    for config in configs:
-        if (layer_format, config) not in _SPILLS:
-            compiled = run(config, compile_only=True)
-            _SPILLS[(layer_format, config)] = (
-                None if compiled is None else _spilled_registers(compiled)
-            )
-        spills = _SPILLS[(layer_format, config)]
-        if not spills:
-            fits.append(config)
-        if spills is None and BENCH is None:  # interpreted, nothing to time: the first
-            break
-    if not fits:
-        if layer_format not in _WARNED:
-            fallback = geo.ATTENTION_CONFIGS[-1]
-            _warn_spills(layer_format, fallback, _SPILLS[(layer_format, fallback)])
-            _WARNED.add(layer_format)
-        fits = [geo.ATTENTION_CONFIGS[-1]]
-    chosen = fits[0]
-    if len(fits) > 1:
-        if _capturing_graph():  # timing would break the capture: untuned, not kept
-            return chosen
-        bench = BENCH or _gpu_bench
-        chosen = min(fits, key=lambda config: bench(lambda: run(config)))
-    _CONFIG_OF[(layer_format, key, configs)] = chosen
-    return chosen
-
-
-def _capturing_graph() -> bool:
-    """Whether a CUDA graph is being captured on the current stream: a launch tuned there
-    runs in the first configuration that does not spill, and is tuned at its next launch outside
-    the capture (the timing synchronizes, which a capture refuses)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _gpu_bench(run: Callable[[], object]) -> float:
-    """Milliseconds of a launch on a GPU (``triton.testing.do_bench``: CUDA events, the L2
-    cache flushed between runs), in about 25 ms."""
-    import triton.testing
-
-    return triton.testing.do_bench(run, warmup=5, rep=20)
-
-
-def wall_clock_bench(run: Callable[[], object], repeats: int = 3) -> float:
-    """Median milliseconds of ``repeats`` runs by the host's clock, after one run that is not
-    timed: a :data:`BENCH` for the interpreter, whose launches finish before they return (on
-    a GPU a launch returns before its kernel ends, so this would time the launch only)."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def reset_plans() -> None:
+    """Forget the buffers made once (stand-ins and decode partials), e.g. to free memory."""
+    _DUMMIES.clear()
+    _PARTIALS.clear()
 
 
 def _centroid_table(stream, device, dtype: torch.dtype) -> torch.Tensor:
@@ -619,34 +450,14 @@ def _centroid_table(stream, device, dtype: torch.dtype) -> torch.Tensor:
     return numerics.kernel_table(stream.parts[0].quantizer, device, dtype)
 
 
-def _spilled_registers(compiled) -> int:
-    """Registers a compiled kernel spills (0 for ``None``, what an interpreted warmup gives).
-    Triton reads them when it loads the kernel on the device (its ``run`` property does)."""
-    if compiled is None:
-        return 0
-    getattr(compiled, "run", None)  # loads the kernel: n_spills is known from then on
-    return getattr(compiled, "n_spills", 0) or 0
-
-
-def _warn_spills(layer_format: tuple, config: geo.AttentionConfig, spills: int) -> None:
-    compile_time, lanes, block_v, dtype, _ = layer_format
-    warnings.warn(
-        f"attention_kernel[{dict(compile_time)}, LANES={lanes}, BLOCK_V={block_v}, {dtype}] spills "
-        f"{spills} registers to local memory on this GPU in every configuration (the last: "
-        f"{config}): "
-        "this layer's attention runs slower than it would without the spill",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-
-
 def _rotate_back(values, accumulated: torch.Tensor, device) -> torch.Tensor:
     """The main values' accumulator in the model's coordinates: ``R^T acc / a``."""
     if values.is_exact:
         return accumulated
-    out = accumulated @ values.parts[0].quantizer.rotation.matrix.to(device)
-    if values.scale is not None:
-        out = out / values.scale.float().to(device)[None, :, None]
+    constants = numerics.stream_constants(values, device)
+    out = accumulated @ constants.rotation
+    if constants.scale is not None:
+        out = out / constants.scale[None, :, None]
     return out
 
 

@@ -11,9 +11,8 @@ Design: the attention kernel compiles one specialization per storage format of a
 (:func:`attention_formats`: head dimension, which streams are exact or codes, code widths,
 rotated dimensions, norm widths, QJL or not), so that a decode step issues no instruction for a
 format it does not have (chapter 3 counts what a decode step issues). A model compiles a
-handful, one per distinct per-layer format (and softcap or not: ``launch.attention``), for its
-prompts and again for its decode steps, whose few rows cut the key tiles into lanes
-(:func:`lanes`).
+handful, one per distinct per-layer format (and softcap or not: ``launch.attention``), in the
+one configuration of that format (:func:`attention_config`), whatever the context's length.
 Positions, lengths, capacities, the mask, the window and the softcap's value stay run-time
 arguments. The fused-score and quantize kernels take every size at run time.
 """
@@ -45,28 +44,21 @@ ATTENTION_CHUNK = 16  # the same in the attention kernel at 256 accumulator colu
 ATTENTION_CHUNKS = {64: 64, 128: 128, 256: ATTENTION_CHUNK}
 SCORES_BLOCK_S = 32  # keys per fused_scores tile
 ATTENTION_BLOCK_S = 16  # keys per attention tile (also the K dimension of P.V)
-#: Ring capacities are multiples of this many slots (rqlib.kernels.store): every key tile the
-#: attention kernel is compiled with (``AttentionConfig.block_s`` of every configuration of
-#: :func:`tuned_configs`) divides it, so no tile crosses the end of a ring.
+#: Ring capacities are multiples of this many slots (rqlib.kernels.store): the attention
+#: kernel's key tile (``AttentionConfig.block_s``) divides it, so no tile crosses the end of a
+#: ring.
 RING_GRANULE = 64
-BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs
-#: the most lanes a program cuts a key tile into (rqlib.kernels.triton_attention): four lanes of
-#: four keys. A tile row per (query row, lane) is the kernel's unit of work, so a lane of fewer
-#: keys leaves threads of a two-warp program idle
-MAX_LANES = 4
+BLOCK_ROWS = 16  # query rows per tile: (position, head of the group) pairs, the M of tl.dot
 BLOCK_N = 16  # vectors per quantize program
 NUM_WARPS = 8  # scores and quantize kernels
-#: pipeline stages of the attention kernel's loops in the configurations taken untimed; the
-#: pipelined ones (PIPELINED_STAGES) are tried only where launches are timed
-ATTENTION_NUM_STAGES = 1
-PIPELINED_STAGES = 2  # the next tile's loads in flight while this one is computed
-ATTENTION_MAX_REGISTERS = 255  # ptxas would cap a narrow tile at 128 (two blocks an SM) and
-# spill; the attention kernel takes the registers it needs instead (one block an SM)
+ATTENTION_MAX_REGISTERS = 255  # a thread of the attention kernel may take up to this many
+# registers (one block an SM at four warps); at 128 (two blocks an SM) the presets' layout
+# spills at head_dim 128 (tests/test_kernels_aot.py measures it)
 REDUCE_NUM_WARPS = 4
 REDUCE_BLOCK = 128  # accumulator columns per reduce program
-DEFAULT_PARTITION = 512  # keys per split of a decode step when the SM count is unknown
 SPLIT_WAVES = 2  # a decode step launches enough splits for this many programs per SM
-MAX_PARTIAL_SHARE = 0.25  # a split's partial results cost at most this share of what it reads
+MAX_SPLITS = 64  # the most splits a decode step cuts its keys into (its partials' size)
+DEFAULT_SPLITS = 4  # splits of a decode step where the SM count is unknown (the interpreter)
 VALUE_BLOCKS = (64, 128, 256)  # accumulator widths per program (next power of two >= 64)
 MAX_VALUE_WIDTH = 512  # wider value vectors have no kernel
 
@@ -74,19 +66,12 @@ MAX_VALUE_WIDTH = 512  # wider value vectors have no kernel
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """How an attention program runs: its warps, whether the scores of codes run on fp16
-    tensor cores (``triton_common.split_dot``) or on the CUDA cores, and whether the values'
-    centroids are read two a load from a table of centroid pairs
-    (``numerics.kernel_table``; the keys' always are) or one a load from the codebook, in
-    how many pipeline stages its loops run (``num_stages`` > 1: Triton's software pipelining
-    issues the loads of the next key tile, staged in shared memory, while this one is
-    computed), and how many keys a tile holds (``block_s``; a decode step's splits start and
-    end on whole tiles). All compute the same sums to float32 accuracy; they differ in
-    instructions, registers and shared memory."""
+    tensor cores (``triton_common.split_dot``) or on the CUDA cores, and how many keys a tile
+    holds (``block_s``; a decode step's splits start and end on whole tiles). Both compute the
+    same sums to float32 accuracy; they differ in instructions and registers."""
 
     num_warps: int
     score_tensor_cores: bool
-    value_pairs: bool = False
-    num_stages: int = ATTENTION_NUM_STAGES
     block_s: int = ATTENTION_BLOCK_S
 
     @property
@@ -97,98 +82,38 @@ class AttentionConfig:
 
     def constexprs(self) -> dict[str, int]:
         """The kernel's compile-time arguments for this configuration."""
-        return {
-            "SCORE_TENSOR_CORES": int(self.score_tensor_cores),
-            "VALUE_PAIRS": int(self.value_pairs),
-            "BLOCK_S": self.block_s,
-        }
+        return {"SCORE_TENSOR_CORES": int(self.score_tensor_cores), "BLOCK_S": self.block_s}
 
 
-#: The attention kernel's configurations, in order of preference. The fewer warps, the fewer
-#: instructions per key (rqlib.book.sass counts them: each warp repeats the bookkeeping of a
-#: tile, and a tile of 16 rows and 16 keys is too small to share among four warps without
-#: copies), and fewer with the scores on tensor cores (their multiply-adds leave the CUDA cores)
-#: and with the values' centroids read in pairs; but the fewer the warps, the more registers
-#: each thread holds. Two warps fit the presets' formats in a decode step at head dims 64 and
-#: 128 (with lanes, which shrink a tile's softmax), four warps with the scores on tensor cores
-#: the lighter formats of a prompt (some only without the value pairs), and eight warps with
-#: the scores on the CUDA cores every format of the covering set. A layer format on a GPU
-#: launches the fastest measured of the configurations whose compiled kernel does not spill
-#: registers, the first of them where nothing is timed (``launch.attention_config``;
-#: tests/test_kernels_aot.py).
-ATTENTION_CONFIGS = (
-    AttentionConfig(2, True, value_pairs=True),
-    AttentionConfig(4, True, value_pairs=True),
-    AttentionConfig(4, True),
-    AttentionConfig(8, False),
-)
-#: The tensor-core configurations again, software-pipelined. A prefetched tile costs registers
-#: and shared memory, and whether hiding the loads' latency is worth them depends on the GPU and
-#: the context, so they are never taken untimed (after ATTENTION_CONFIGS, whose last fits every
-#: format): where launches are timed, each is compiled, dropped if it spills, and timed with the
-#: others (``launch.attention_config``).
-PIPELINED_CONFIGS = tuple(
-    dataclasses.replace(config, num_stages=PIPELINED_STAGES)
-    for config in ATTENTION_CONFIGS
-    if config.score_tensor_cores
-)
-
-#: Wider key tiles, in the configurations where they fit: a tile of more keys shares its
-#: bookkeeping (the softmax's maxima and rescaling, the loop's addresses) among more keys, but
-#: holds more registers, so it needs more warps. Compiled for the presets' layout, a tile of 32
-#: keys fits four warps and one of 64 keys eight warps at head dimension 64, while at head
-#: dimension 128 both spill (tests/test_kernels_aot.py compiles them). Against the first
-#: configuration's two warps on 16 keys they issue about as many instructions a key (count them
-#: with rqlib.book.sass); what they may buy is latency hidden by more warps a block, which only
-#: a GPU can time. So, like the pipelined ones, they are taken only where timed, and a format
-#: they spill in drops them.
-WIDE_TILE_CONFIGS = (
-    AttentionConfig(4, True, value_pairs=True, block_s=2 * ATTENTION_BLOCK_S),
-    AttentionConfig(8, True, value_pairs=True, block_s=4 * ATTENTION_BLOCK_S),
-)
+#: The configuration every launch of the attention kernel runs in, decode step or prompt: four
+#: warps, the products with codebook values on fp16 tensor cores. No configuration is chosen
+#: by a model of the GPU or tuned at run time: a launch compiles one specialization per layer
+#: format and step kind, and nothing else (a GPU timing, ``python -m rqlib bench gpu``, is what
+#: may change this).
+ATTENTION_CONFIG = AttentionConfig(4, True)
+#: The one alternative: the scores on the CUDA cores in eight warps, for the formats whose
+#: tensor-core specialization does not compile within ATTENTION_MAX_REGISTERS without spilling
+#: (tests/test_kernels_aot.py lists which; :func:`attention_config` picks by format, never by
+#: timing).
+CUDA_CORE_CONFIG = AttentionConfig(8, False)
+#: Accumulators wider than this many columns take :data:`CUDA_CORE_CONFIG`.
+TENSOR_CORE_MAX_WIDTH = 128
 
 
-def tuned_configs() -> tuple[AttentionConfig, ...]:
-    """Every configuration a launch may run, in order of preference where nothing is timed:
-    :data:`ATTENTION_CONFIGS`, then :data:`PIPELINED_CONFIGS` and :data:`WIDE_TILE_CONFIGS`
-    (read when called, so that a study that narrows these tuples narrows the tuner too)."""
-    return ATTENTION_CONFIGS + PIPELINED_CONFIGS + WIDE_TILE_CONFIGS
+def attention_config(acc_width: int) -> AttentionConfig:
+    """The configuration of a layer whose accumulator is ``acc_width`` columns wide (over its
+    value blocks): :data:`ATTENTION_CONFIG`, or :data:`CUDA_CORE_CONFIG` past
+    :data:`TENSOR_CORE_MAX_WIDTH`. A function of the format alone, so a model compiles at most
+    one specialization per layer format and step kind."""
+    return ATTENTION_CONFIG if acc_width <= TENSOR_CORE_MAX_WIDTH else CUDA_CORE_CONFIG
 
 
-def widest_tile() -> int:
-    """The most keys a tile of any of :func:`tuned_configs` holds: a ring's capacity must be a
-    multiple of it (:data:`RING_GRANULE` is)."""
-    return max(config.block_s for config in tuned_configs())
-
-
-def lanes(rows: int) -> int:
-    """The lanes the attention kernel cuts each key tile into for a block of ``rows`` query rows
-    (rqlib.kernels.triton_attention): as many copies of the rows as fill the ``BLOCK_ROWS``
-    rows of a tile, a power of two up to ``MAX_LANES``; 1 for a block that fills them (a
-    prompt, or a group of more than ``BLOCK_ROWS / 2`` heads)."""
-    if rows < 1:
-        raise ValueError(f"a block has at least one row, got {rows}")
-    lanes = 1
-    while lanes < MAX_LANES and rows * 2 * lanes <= BLOCK_ROWS:
-        lanes *= 2
-    return lanes
-
-
-def partial_bytes(rows: int, acc_width: int, lanes: int = 1) -> int:
-    """Bytes of one split's partial results for ``rows`` query rows in ``lanes`` lanes, written
-    by the split and read back by the reduce: per row and lane, ``m`` and ``l`` of each of the
-    three streams (main, band, sink) and the main stream's accumulator of ``acc_width`` floats.
-    An accumulator is written only where its row saw a key, so the band's and the sink's are
-    written by the one or two splits that hold their keys, a constant of the step
-    (:func:`stream_partial_bytes`), not a cost of every split."""
-    return 2 * rows * lanes * (3 * 2 + acc_width) * 4
-
-
-def stream_partial_bytes(rows: int, acc_width: int, lanes: int = 1) -> int:
-    """Bytes of the accumulators of one stream of a step's partial results, written by one
-    split and read back by the reduce: ``acc_width`` floats per row and lane (the band and the
-    sink, once each per step; see :func:`partial_bytes`)."""
-    return 2 * rows * lanes * acc_width * 4
+def partial_bytes(rows: int, acc_width: int) -> int:
+    """Bytes of one split's partial results for ``rows`` query rows, written by the split and
+    read back by the reduce: per row, ``m`` and ``l`` of each of the three streams (main, band,
+    sink) and the main stream's accumulator of ``acc_width`` floats (the band's and the sink's
+    are written only by the splits that hold their keys)."""
+    return 2 * rows * (3 * 2 + acc_width) * 4
 
 
 def even_partition(span: int, splits: int, block: int = ATTENTION_BLOCK_S) -> tuple[int, int]:
@@ -199,39 +124,30 @@ def even_partition(span: int, splits: int, block: int = ATTENTION_BLOCK_S) -> tu
     return math.ceil(span / partition), partition
 
 
-def decode_splits(
-    span: int,
-    programs: int,
-    sm_count: int | None,
-    partial_bytes: int,
-    key_bytes: float,
-    block: int = ATTENTION_BLOCK_S,
-) -> tuple[int, int]:
-    """``(splits, partition)``: how a decode step cuts its ``span`` keys, in splits of
-    ``partition`` keys (a multiple of the key tile's ``block`` keys;
-    ``splits * partition >= span``).
-
-    With one query token there are only ``programs`` = batch x KV heads groups of rows, far
-    fewer than a GPU's SMs, so the keys provide the parallelism. Given the ``sm_count``, the
-    step asks for enough splits that the programs fill ``SPLIT_WAVES`` waves of the SMs, but no
-    split so short that the ``partial_bytes`` it writes and the reduce reads back (its rows'
-    ``m``, ``l`` and accumulators) exceed ``MAX_PARTIAL_SHARE`` of the bytes of the keys and
-    values it reads (``key_bytes`` per key position). Without an SM count (the interpreter),
-    splits of ``DEFAULT_PARTITION`` keys."""
-    if span < 1 or programs < 1:
-        raise ValueError(f"span and programs must be >= 1, got {span} and {programs}")
+def decode_splits(programs: int, sm_count: int | None) -> int:
+    """How many splits a decode step cuts its keys into: with one query token there are only
+    ``programs`` = batch x KV heads groups of rows, far fewer than a GPU's SMs, so the keys
+    provide the parallelism. Given the ``sm_count``, enough splits that the programs fill
+    ``SPLIT_WAVES`` waves of the SMs, at most ``MAX_SPLITS``; without one (the interpreter),
+    ``DEFAULT_SPLITS``. The count does not depend on the context: the partial results a step
+    writes have one size for the whole generation, allocated once (``launch.DecodePlan``), and
+    each split covers ``ceil(span / splits)`` keys rounded up to whole tiles
+    (:func:`split_partition`)."""
+    if programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
     if sm_count is None:
-        splits = math.ceil(span / DEFAULT_PARTITION)
-    else:
-        if sm_count < 1 or key_bytes <= 0 or partial_bytes < 0:
-            raise ValueError(
-                f"need sm_count >= 1, key_bytes > 0 and partial_bytes >= 0, got {sm_count}, "
-                f"{key_bytes} and {partial_bytes}"
-            )
-        fill = math.ceil(SPLIT_WAVES * sm_count / programs)
-        shortest = max(block, partial_bytes / (MAX_PARTIAL_SHARE * key_bytes))
-        splits = min(fill, max(1, math.floor(span / shortest)))
-    return even_partition(span, splits, block)
+        return DEFAULT_SPLITS
+    if sm_count < 1:
+        raise ValueError(f"sm_count must be >= 1, got {sm_count}")
+    return max(1, min(MAX_SPLITS, math.ceil(SPLIT_WAVES * sm_count / programs)))
+
+
+def split_partition(span: int, splits: int, block: int = ATTENTION_BLOCK_S) -> int:
+    """Keys per split when ``span`` keys are cut into ``splits`` splits of whole tiles of
+    ``block`` keys (the last splits may be short or empty)."""
+    if span < 0 or splits < 1:
+        raise ValueError(f"need span >= 0 and splits >= 1, got {span} and {splits}")
+    return max(block, math.ceil(span / splits / block) * block)
 
 
 def attention_chunk(block_v: int) -> int:

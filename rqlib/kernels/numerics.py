@@ -33,6 +33,7 @@ import dataclasses
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "CODEBOOK_DTYPE",
@@ -41,6 +42,8 @@ __all__ = [
     "PAIR_DTYPES",
     "PAIR_CENTROID_DTYPES",
     "PAIR_MAX_BITS",
+    "StreamConstants",
+    "device_float",
     "kernel_centroids",
     "kernel_quantizer",
     "kernel_table",
@@ -109,6 +112,47 @@ def kernel_table(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> torc
         entries = low[None, :] | (high[:, None] << width)  # int64 arithmetic wraps, bit-exact
         tables[key] = entries.reshape(-1).to(PAIR_DTYPES[dtype]).to(device)
     return tables[key]
+
+
+#: tensor -> its copies, by identity (tensors compare element by element)
+_DEVICE_COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def device_float(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` as a contiguous float32 tensor on ``device``, made once per tensor and device
+    (the copy is kept as long as ``tensor`` lives): a launch that reads a layer's constants
+    (rotations, sketches, channel scales, means) copies nothing from the host. ``tensor`` must
+    not change in place afterwards."""
+    copies = _DEVICE_COPIES.setdefault(tensor, {})
+    key = torch.device(device)
+    if key not in copies:
+        copies[key] = tensor.to(device=device, dtype=torch.float32).contiguous()
+    return copies[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConstants:
+    """What the attention's host side reads of a stream of codes, float32 on one device: the
+    quantizer's ``rotation`` matrix ``[D, d]`` and QJL ``sketch`` ``[m, D]`` (``None``
+    without QJL), and the stream's channel ``scale`` and ``mean`` ``[KV, d]`` (``None`` where
+    it has none)."""
+
+    rotation: torch.Tensor
+    sketch: torch.Tensor | None
+    scale: torch.Tensor | None
+    mean: torch.Tensor | None
+
+
+def stream_constants(stream, device) -> StreamConstants:
+    """The :class:`StreamConstants` of a :class:`~rqlib.kernels.state.Stream` of codes on
+    ``device``, each made once (:func:`device_float`)."""
+    quantizer = stream.parts[0].quantizer
+    return StreamConstants(
+        rotation=device_float(quantizer.rotation.matrix, device),
+        sketch=device_float(quantizer.sketch, device) if quantizer.has_qjl else None,
+        scale=None if stream.scale is None else device_float(stream.scale, device),
+        mean=None if stream.mean is None else device_float(stream.mean, device),
+    )
 
 
 def table_halves(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

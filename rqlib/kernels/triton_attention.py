@@ -22,21 +22,10 @@ running sum l; :data:`LOG2E`), and the values weighted in place: codes accumulat
 coordinates. Nothing is ever decoded to a value vector per key; the rotations back happen once
 per query after the reduce.
 
-Lanes (``LANES``): a tile is ``BLOCK_ROWS`` = 16 rows by ``BLOCK_S`` keys, the smallest a tensor
-core multiplies, but a decode step of a GQA group has only as many rows as the group has heads
-(4 in Llama-3-8B's geometry, 3 in SmolLM2's). Padded to 16, most rows of a tile would be empty,
-and the softmax, the masks and the bookkeeping of the tile would run on them all the same. So a
-program of few rows cuts each key tile into ``LANES`` lanes of ``LANE_KEYS = BLOCK_S / LANES``
-keys and holds each of its ``BLOCK_ROWS / LANES`` query rows once per lane: row ``i`` of a tile
-is query row ``i // LANES`` reading lane ``i % LANES`` (:func:`lane_range`). The products still
-run on the whole tile, every row against every key, which the tensor core computes anyway;
-:func:`own_lane` keeps the scores of each row's lane, ``[BLOCK_ROWS, LANE_KEYS]``, on which the
-softmax runs, and :func:`spread_lane` puts the weights back in their lane's columns, zeros
-elsewhere, for the product with the values. Each lane keeps its own online softmax over its
-quarter (or half) of every tile, so a lane is a split of its own: its partial result goes to part
-``split * LANES + lane`` and the reduce merges lanes as it merges splits. ``LANES`` is
-compile-time: 4 for a block of up to 4 rows, 2 up to 8, 1 for more (a prompt;
-``limits.lanes``).
+Decode steps and prompts run the same program. A tile is ``BLOCK_ROWS`` = 16 rows by
+``BLOCK_S`` keys, the smallest a tensor core multiplies: a decode step of a GQA group has only as
+many rows as the group has heads (4 in Llama-3-8B's geometry), padded to 16 with masked rows, and
+gets its parallelism from the splits of the keys instead (``limits.decode_splits``).
 
 Precision: every product with codebook values (the scores of coded keys and the weighted coded
 values) runs on fp16 tensor cores, to float32 accuracy on the kernel's codebook, the codebook
@@ -55,24 +44,19 @@ run-time argument: as a constant, its loop becomes straight-line code that needs
 more than sm_90 has. So do causal order and whether a mask tensor is read: as constants they
 save a few instructions per key but make the heaviest layouts spill.
 
-The kernel is shaped so that every layer format has a configuration that spills no register
-(``limits.ATTENTION_CONFIGS``: two or four warps with the scores on tensor cores, the values'
-centroids read in pairs or not, where they fit, else eight with the scores on the CUDA cores;
-``tests/test_kernels_aot.py`` compiles a covering set for sm_80 and sm_90; a layer format
-launches the configurations that do not spill, the fastest measured on the GPU, and warns when
-all spill, see ``launch.attention_config``): a run-time branch inside a loop keeps the
+A layer runs in one configuration, chosen from its format alone (``limits.attention_config``:
+four warps with the scores on tensor cores, eight on the CUDA cores for the widest
+accumulators; ``tests/test_kernels_aot.py`` compiles a covering set of formats for sm_80 and
+sm_90 and reports their registers and spills). A run-time branch inside a loop keeps the
 registers of both sides live, so the mask and the window are selected arithmetically.
 Accumulators wider than 256 columns (a rotor's padded width at head_dim 256), or between 128
 and 256 (at head_dim 128), are cut into blocks of BLOCK_V columns, one program each, which
-recompute the same scores. The loops run software-pipelined only in the configurations a
-launch times (``limits.PIPELINED_CONFIGS``): the next tile's loads in flight cost registers
-and shared memory, and some formats spill with them; so do tiles of more than 16 keys
-(``limits.WIDE_TILE_CONFIGS``), which spill at head dimension 128. And a thread may take up to 255
-registers (``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap a 64-column
-tile at 128 to fit two blocks an SM, and spill.
+recompute the same scores. A thread may take up to 255 registers
+(``limits.ATTENTION_MAX_REGISTERS``), where ptxas would cap it at 128 to fit two blocks an SM,
+and spill.
 
 Each loop ends by writing its own partial result (m, l, acc) to its slot (0 main, 1 band,
-2 sink) of its part (a split and a lane). ``reduce_kernel`` merges every part and slot of a
+2 sink) of its split. ``reduce_kernel`` merges every split and slot of a
 row: ``M = max m``, ``L = sum
 2^(m - M) l``, and per slot ``out_t = sum_s 2^(m_st - M) acc_st / L``: a slot is a part of the
 softmax-weighted sum in its own coordinates. A row that sees no key (a padding position) gets
@@ -86,8 +70,8 @@ ring, and its loads take no mask (:func:`every_key`).
 
 Bytes read per key and KV head in a decode step, head_dim 128, 3-bit keys and values, 11-bit
 norms: 2 * (48 + 1.375) = 98.75 bytes, against 512 for fp16 keys and values; the sink and band
-tokens add a constant per step, and the partial results ``3 * (2 + width)`` floats per row,
-split and lane (``width``: the accumulator's columns over all value blocks).
+tokens add a constant per step, and the partial results ``3 * (2 + width)`` floats per row
+and split (``width``: the accumulator's columns over all value blocks).
 """
 
 from __future__ import annotations
@@ -131,16 +115,15 @@ def load_norms(row_ptr, slots, width):
 @triton.jit
 def code_values(
     codes_ptr, slots, stride_s, key_mask, bits: tl.constexpr, code_bytes: tl.constexpr,
-    centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr, PAIRS: tl.constexpr,
+    centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
-    ``[BLOCK_S, BLOCK_V]``, fp16: from the codebook ``centroids_ptr`` a load a code, or with
-    ``PAIRS`` from a table of centroid pairs, two a load where the layout allows
+    ``[BLOCK_S, BLOCK_V]``, fp16, from the codebook ``centroids_ptr``
     (``triton_common.code_centroids``)."""
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     return code_centroids(
         rows_ptr, col0, key_mask, width, bits, code_bytes, centroids_ptr, BLOCK_V,
-        group_loads(bits, width, BLOCK_V), PAIRS,
+        group_loads(bits, width, BLOCK_V), False,
     )  # fmt: skip
 
 
@@ -184,12 +167,10 @@ def ring_tile(tile, slot_lo, capacity, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def lane_range(tile, lane, lo, hi, LANE_KEYS: tl.constexpr):
-    """``(keys, in_range)``, ``[BLOCK_ROWS, LANE_KEYS]``: the keys of the tile that starts at
-    key ``tile`` that each row reads, those of its lane (``tile + lane * LANE_KEYS ..``, tile
-    columns ``lane * LANE_KEYS ..``), and which of them the loop over keys ``lo .. hi - 1``
-    reads."""
-    keys = tile + lane[:, None] * LANE_KEYS + tl.arange(0, LANE_KEYS)[None, :]
+def tile_range(tile, lo, hi, BLOCK_S: tl.constexpr):
+    """``(keys, in_range)``, ``[1, BLOCK_S]``: the keys of the tile that starts at key ``tile``
+    and which of them the loop over keys ``lo .. hi - 1`` reads."""
+    keys = (tile + tl.arange(0, BLOCK_S))[None, :]
     return keys, (keys >= lo) & (keys < hi)
 
 
@@ -209,28 +190,6 @@ def as_mask(condition):
     a tensor with a scalar comparison (``rows < n & (flag != 0)``) is not a boolean array, and a
     load or store refuses it as a mask."""
     return condition.to(tl.int8) != 0
-
-
-@triton.jit
-def own_lane(x, lane, LANES: tl.constexpr, LANE_KEYS: tl.constexpr):
-    """The columns of ``x`` ``[BLOCK_ROWS, LANES * LANE_KEYS]`` (a row against every key of a
-    tile) that each row's lane reads, ``[BLOCK_ROWS, LANE_KEYS]``."""
-    if LANES == 1:
-        return x
-    split = tl.reshape(x, (x.shape[0], LANES, LANE_KEYS))
-    pick = lane[:, None, None] == tl.arange(0, LANES)[None, :, None]
-    return tl.sum(tl.where(pick, split, 0.0), axis=1)
-
-
-@triton.jit
-def spread_lane(x, lane, LANES: tl.constexpr, LANE_KEYS: tl.constexpr):
-    """The reverse of :func:`own_lane`: ``x`` ``[BLOCK_ROWS, LANE_KEYS]`` put in the columns of
-    each row's lane of ``[BLOCK_ROWS, LANES * LANE_KEYS]``, zeros elsewhere."""
-    if LANES == 1:
-        return x
-    pick = lane[:, None, None] == tl.arange(0, LANES)[None, :, None]
-    spread = tl.where(pick, x[:, None, :], 0.0)
-    return tl.reshape(spread, (x.shape[0], LANES * LANE_KEYS))
 
 
 @triton.jit
@@ -289,8 +248,8 @@ def store_partial(
     part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, slot, row_mask, m_i, l_i, acc,
     col0, acc_width, BLOCK_V: tl.constexpr, fence=0,
 ):  # fmt: skip
-    """Write one stream's (m, l, acc) of the rows ``q_rows`` to their ``part`` (of ``n_parts``:
-    a split and a lane) and ``slot``: (m, l) by the first column block only (every block
+    """Write one stream's (m, l, acc) of the rows ``q_rows`` to their ``part`` (of ``n_parts``
+    splits) and ``slot``: (m, l) by the first column block only (every block
     computes the same), ``m`` in base-2 units, ``l`` summed over its keys; the accumulator's
     columns ``col0 ..`` of ``acc_width`` only where the row saw a key (``m > -inf``: the reduce
     reads no other, so a split without band or sink keys writes no accumulator for them).
@@ -319,8 +278,7 @@ def attention_kernel(
     # kernel_table) of fp16 centroids, or float32 for the scores on the CUDA cores
     k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr, k_exact_ptr, k_table_ptr,
     # main values: codes and norm stream, or exact vectors; the values' centroids
-    # (*_centroids_ptr) are an fp16 codebook (rqlib.kernels.numerics.kernel_centroids), or with
-    # VALUE_PAIRS a table of fp16 centroid pairs
+    # (*_centroids_ptr) are an fp16 codebook (rqlib.kernels.numerics.kernel_centroids)
     v_codes_ptr, v_norms_ptr, v_exact_ptr, v_centroids_ptr,
     # recent band: keys (codes and norm stream, or exact), values (codes, or exact vectors:
     # the band's own or, for a layer whose values are exact, the main ones)
@@ -361,10 +319,10 @@ def attention_kernel(
     bk_code_bytes: tl.constexpr, bk_width: tl.constexpr,
     BAND_VALUE_CODES: tl.constexpr, bv_dim: tl.constexpr, bv_bits: tl.constexpr,
     bv_code_bytes: tl.constexpr, bv_width: tl.constexpr,
-    # compile-time: tiles, whether the scores of codes run on tensor cores and whether the
-    # values' centroids are read in pairs (the configuration: limits.ATTENTION_CONFIGS)
+    # compile-time: tiles, and whether the scores of codes run on tensor cores (the
+    # configuration: limits.attention_config)
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    SCORE_TENSOR_CORES: tl.constexpr, VALUE_PAIRS: tl.constexpr, LANES: tl.constexpr,
+    SCORE_TENSOR_CORES: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of the keys for one block of rows and one block of value
     columns, one loop per stream; see the module doc."""
@@ -376,13 +334,11 @@ def attention_kernel(
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
 
-    ROWS: tl.constexpr = BLOCK_ROWS // LANES  # query rows a program serves
-    LANE_KEYS: tl.constexpr = BLOCK_S // LANES  # keys of a tile each lane reads
-    lane = tl.arange(0, BLOCK_ROWS) % LANES
-    rows = pid_rows * ROWS + tl.arange(0, BLOCK_ROWS) // LANES
+    ROWS: tl.constexpr = BLOCK_ROWS  # query rows a program serves
+    rows = pid_rows * ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
-    n_parts = n_splits * LANES
-    part = pid_split * LANES + lane
+    n_parts = n_splits
+    part = pid_split
     q_rows = pid_bh.to(tl.int64) * n_rows + rows  # index into the query-side arrays
     positions = start + rows // group  # query position of each row
     mask_b = mask_ptr + b * stride_mb
@@ -417,18 +373,18 @@ def attention_kernel(
     mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
     q_main_scale = tl.load(q_main_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
     qjl_scale = k_qjl_scale * score_scale
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, LANE_KEYS, BLOCK_V)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
     tile_lo, slot_lo = aligned_start(main_lo, main_hi, k_cap, BLOCK_S)
     loaded = every_key(BLOCK_S)
     for tile in range(tile_lo, main_hi, BLOCK_S):
         slots, slot_lo = ring_tile(tile, slot_lo, k_cap, BLOCK_S)
-        keys, in_range = lane_range(tile, lane, main_lo, main_hi, LANE_KEYS)
+        keys, in_range = tile_range(tile, main_lo, main_hi, BLOCK_S)
         if k_exact != 0:
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, k_x, slots, stride_kxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
             )  # fmt: skip
-            scores = own_lane(scores, lane, LANES, LANE_KEYS) * score_scale
+            scores = scores * score_scale
         else:
             norms = load_norms(k_norms, slots, k_width)
             scores = code_scores(
@@ -444,9 +400,8 @@ def attention_kernel(
                     BLOCK_ROWS, BLOCK_S, CHUNK,
                 )  # fmt: skip
                 scores = scores * q_main_scale[:, None] + qjl * (rnorms * qjl_scale)[None, :]
-                scores = own_lane(scores, lane, LANES, LANE_KEYS) + mean[:, None]
+                scores = scores + mean[:, None]
             else:
-                scores = own_lane(scores, lane, LANES, LANE_KEYS)
                 scores = scores * q_main_scale[:, None] + mean[:, None]
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
@@ -457,7 +412,7 @@ def attention_kernel(
         not_band = before_band | (keys > positions[:, None]) | (band_k_mode == 0)
         visible = visible * not_band.to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
-        weights = spread_lane(p, lane, LANES, LANE_KEYS)
+        weights = p
         if v_exact != 0:
             v_tile = exact_values(v_x, slots, stride_vxs, loaded, head_dim, v_col0, BLOCK_V)
             acc = tl.dot(weights, v_tile, acc, input_precision="ieee")
@@ -465,7 +420,7 @@ def attention_kernel(
             v_norms_tile = load_norms(v_norms, slots, v_width)
             centroids = code_values(
                 v_codes, slots, stride_vcs, loaded, v_bits, v_code_bytes, v_centroids_ptr,
-                v_dim, v_col0, BLOCK_V, VALUE_PAIRS,
+                v_dim, v_col0, BLOCK_V,
             )  # fmt: skip
             acc = split_dot(weights * v_norms_tile[None, :], centroids, acc)
     store_partial(
@@ -486,12 +441,12 @@ def attention_kernel(
     bv_x = bv_exact_ptr + b * stride_bvxb + kvh * stride_bvxh
     band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
     q_band_scale = tl.load(q_band_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, LANE_KEYS, BLOCK_V)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
     tile_lo, slot_lo = aligned_start(band_lo, band_hi, b_cap, BLOCK_S)
     loaded = every_key(BLOCK_S)
     for tile in range(tile_lo, band_hi, BLOCK_S):
         slots, slot_lo = ring_tile(tile, slot_lo, b_cap, BLOCK_S)
-        keys, in_range = lane_range(tile, lane, band_lo, band_hi, LANE_KEYS)
+        keys, in_range = tile_range(tile, band_lo, band_hi, BLOCK_S)
         if band_k_mode == 2:  # keys as codes
             norms = load_norms(bk_norms, slots, bk_width)
             scores = code_scores(
@@ -499,14 +454,13 @@ def attention_kernel(
                 bk_bits, bk_code_bytes, bk_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
                 group_loads(bk_bits, bk_dim, CHUNK), SCORE_TENSOR_CORES, True,
             ) * norms[None, :]  # fmt: skip
-            scores = own_lane(scores, lane, LANES, LANE_KEYS)
             scores = scores * q_band_scale[:, None] + band_mean[:, None]
         else:
             scores = exact_scores(
                 q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, loaded,
                 BLOCK_ROWS, BLOCK_S, CHUNK,
             )  # fmt: skip
-            scores = own_lane(scores, lane, LANES, LANE_KEYS) * score_scale
+            scores = scores * score_scale
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
@@ -514,12 +468,12 @@ def attention_kernel(
         after_band_start = keys > positions[:, None] - band
         visible = visible * (after_band_start & (keys <= positions[:, None])).to(tl.int8)
         p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
-        weights = spread_lane(p, lane, LANES, LANE_KEYS)
+        weights = p
         if BAND_VALUE_CODES:
             v_norms_tile = load_norms(bv_norms, slots, bv_width)
             centroids = code_values(
                 bv_codes, slots, stride_bvcs, loaded, bv_bits, bv_code_bytes, bv_centroids_ptr,
-                bv_dim, v_col0, BLOCK_V, VALUE_PAIRS,
+                bv_dim, v_col0, BLOCK_V,
             )  # fmt: skip
             acc = split_dot(weights * v_norms_tile[None, :], centroids, acc)
         else:
@@ -537,7 +491,7 @@ def attention_kernel(
     sink_hi = tl.minimum(k_end, n_sink)
     sink_k = sink_k_ptr + b * stride_skb + kvh * stride_skh
     sink_v = sink_v_ptr + b * stride_svb + kvh * stride_svh
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, LANE_KEYS, BLOCK_V)
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
     for tile in range(k_begin, sink_hi, BLOCK_S):
         tile_keys = tile + tl.arange(0, BLOCK_S)
         stored = tile_keys < sink_hi
@@ -545,8 +499,8 @@ def attention_kernel(
             q_raw_ptr, q_rows, row_mask, head_dim, sink_k, tile_keys, stride_sks, stored,
             BLOCK_ROWS, BLOCK_S, CHUNK,
         )  # fmt: skip
-        scores = own_lane(scores, lane, LANES, LANE_KEYS) * score_scale
-        keys, in_range = lane_range(tile, lane, k_begin, sink_hi, LANE_KEYS)
+        scores = scores * score_scale
+        keys, in_range = tile_range(tile, k_begin, sink_hi, BLOCK_S)
         visible = visible_pairs(
             keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
             stride_mt, stride_mk, mask_len, mask_offset,
@@ -555,7 +509,7 @@ def attention_kernel(
         v_tile = exact_values(
             sink_v, tile_keys % sv_cap, stride_svs, stored, head_dim, v_col0, BLOCK_V
         )
-        acc = tl.dot(spread_lane(p, lane, LANES, LANE_KEYS), v_tile, acc, input_precision="ieee")
+        acc = tl.dot(p, v_tile, acc, input_precision="ieee")
     store_partial(
         part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, 2, row_mask, m_i, l_i,
         acc, v_col0, acc_width, BLOCK_V, tl.minimum(sink_hi, 0),  # a key: >= 0
@@ -572,7 +526,7 @@ def reduce_kernel(
     width,
     BLOCK: tl.constexpr,
 ):
-    """Merge the parts (splits and lanes) and streams of one row, BLOCK columns of one slot per
+    """Merge the splits and streams of one row, BLOCK columns of one slot per
     program: ``out_t = sum_s w_st acc_st / sum_st w_st l_st`` with ``w_st = 2^(m_st - M)``
     (the maxima are in base-2 units, :data:`LOG2E`), reading only the accumulators of weight
     ``w_st > 0``; zeros for a row that saw no key."""
