@@ -255,15 +255,18 @@ class CompressedLayer(CacheLayerMixin):
     def _check_finite(self, tensors: list[torch.Tensor]) -> None:
         """Refuse non-finite keys or values (and norms that overflow float16).
 
-        The stored norms (or the exact states) are finite exactly when the inputs are. On CPU
-        the check runs now; on CUDA reading the flag would stall the device, so it is kept on
-        the device and read at the next step boundary (:meth:`check_deferred`)."""
+        The stored norms (or the exact states) are finite exactly when the inputs are. On the
+        torch path the check runs now. On the Triton path (CUDA, or the interpreter) reading
+        the flag would make the host wait for the device, and a decode step must not (a CUDA
+        graph captures it), so the flag is kept on the device, combined over the steps, and read
+        after a prompt (at the next step boundary), by :meth:`CompressedCache.check_finite`,
+        and when the ``compress()`` block ends (:meth:`check_deferred`)."""
         same = all(t.shape == tensors[0].shape for t in tensors)
         if same:  # the norms of every codec: one check
             finite = torch.isfinite(torch.stack(tensors)).all()
         else:
             finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-        if self.device.type == "cuda":
+        if self._backend() == "triton":
             self._deferred_check = (
                 finite if self._deferred_check is None else self._deferred_check & finite
             )
@@ -275,11 +278,13 @@ class CompressedLayer(CacheLayerMixin):
             )
 
     def check_deferred(self) -> None:
-        """Raise if the deferred finiteness check (CUDA) of the last update failed."""
+        """Raise if the deferred finiteness check (Triton path) of the updates since the last
+        check failed."""
         flag, self._deferred_check = self._deferred_check, None
         if flag is not None and not bool(flag):
             raise ValueError(
-                f"layer {self.layer_idx}: non-finite keys or values were stored by the last step"
+                f"layer {self.layer_idx}: the new keys or values contain NaN or infinite values "
+                "(or a norm overflows float16): stored by a step since the last check"
             )
 
     def rollback(self) -> None:
@@ -556,13 +561,15 @@ class CompressedCache(Cache):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        for layer in self.layers:
-            try:
-                layer.check_deferred()
-            except ValueError as error:
-                self.rollback()
-                error.add_note(f"that step was rolled back to {self.get_seq_length()} tokens")
-                raise
+        prompt = any(layer._last is not None and layer._last[1] > 1 for layer in self.layers)
+        if prompt:  # after a decode step the flags stay on the device (check_finite)
+            for layer in self.layers:
+                try:
+                    layer.check_deferred()
+                except ValueError as error:
+                    self.rollback()
+                    error.add_note(f"that step was rolled back to {self.get_seq_length()} tokens")
+                    raise
         lengths = {layer.length for layer in self.layers}
         if len(lengths) != 1:
             raise RuntimeError(
@@ -571,6 +578,14 @@ class CompressedCache(Cache):
             )
         self._step_start = lengths.pop()
         self._updated = []
+
+    def check_finite(self) -> None:
+        """Raise ``ValueError`` if a step since the last check stored non-finite keys or values
+        (on the Triton path decode steps check on the device and are read here, by the next
+        prompt, and when the ``compress()`` block ends). Reads a device value: the host waits
+        for the device."""
+        for layer in self.layers:
+            layer.check_deferred()
 
     def commit(self) -> None:
         """Close the open step (every layer was updated); it can still be rolled back until the

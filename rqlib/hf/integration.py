@@ -319,6 +319,7 @@ def compress(
         _install(configs, block)
         cache.set_active(True)
         yield cache
+        cache.check_finite()  # decode steps on the Triton path check on the device
     finally:
         cache.set_active(False)
         _uninstall(configs, block)
