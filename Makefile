@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rqlib-installed
 
-.PHONY: setup book test lint format clean sweep
+.PHONY: setup book test test-seeds lint format clean sweep
 
 setup: $(STAMP)
 
@@ -32,6 +32,15 @@ book: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest tests
 	$(BIN)/python -m pytest --nbmake --nbmake-timeout=1800 notebooks
+
+# The flakiness audit: every fast randomized test (@pytest.mark.randomized) over N fresh random
+# seeds in one pytest process, niced; the summary (failures, each statistic's spread next to
+# its bound) goes to tests/audit/randomized-N.txt. FORCE=1 replaces an existing summary.
+N ?= 200
+test-seeds: $(STAMP)
+	mkdir -p tests/audit
+	nice -n 10 $(BIN)/python -m pytest tests -q -p no:cacheprovider -m randomized --seeds $(N) \
+		--audit-out tests/audit/randomized-$(N).txt $(if $(FORCE),--audit-force)
 
 # Chapter 5's sweep of chapter 4, regenerated at the current code from a clean tree: the runs
 # go to a fresh folder, which replaces results/04_perplexity/ only when every run succeeded.

@@ -1,7 +1,18 @@
 """Quantizers: distortion, the MSE estimator's shrinkage, QJL's unbiasedness and variance.
 
-Statistical tests compare a sample mean with its expectation and allow 4 standard errors
-(two-sided false-alarm rate 6e-5 per assertion under a normal approximation).
+False failures (a correct library failing by chance) are bounded per run at 1e-6:
+
+- a sample mean compared with its expectation allows Z = 5.33 standard errors: two-sided
+  normal tail 1e-7 per assertion (every mean is over >= 2,000 independent terms, or over >= 100
+  independent quantizers where the terms of one quantizer share its draw), at most 10 such
+  assertions per test;
+- a quantity that depends on one draw (a rotation, a sketch) is averaged over many draws, with
+  a bound derived from the spread of one draw measured over 1,000 draws (Bernstein's
+  inequality, stated where used);
+- the other tests are exact identities up to float rounding (tolerances derived from the
+  rounding) and cannot fail by chance.
+
+The fast randomized tests are audited over many random seeds by ``make test-seeds``.
 """
 
 import math
@@ -13,7 +24,7 @@ from rqlib.core.codebooks import lloyd_max
 from rqlib.core.estimator import key_terms
 from rqlib.core.quantizers import METHODS, CompressedVectors, make_quantizer
 
-Z = 4.0  # standard errors allowed in statistical assertions
+Z = 5.33  # standard errors allowed: two-sided normal tail 1e-7 per assertion
 
 
 def fresh_seed(rng) -> int:
@@ -29,27 +40,32 @@ def measured_distortion(quantizer, x):
     return ((x - quantizer.dequantize(quantizer.quantize(x))) ** 2).sum(-1)
 
 
+@pytest.mark.randomized
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-def test_turboquant_mse_distortion_matches_codebook(rng, d, bits):
-    """After a Haar rotation a uniform unit vector is again uniform, so the per-vector error
-    averages to the codebook's D_mse exactly; 10,000 vectors put the sample mean within
-    ~0.5% (standard error), far inside the 3% the issue asks for, which we assert."""
+def test_turboquant_mse_distortion_matches_codebook(rng, record_statistic, d, bits):
+    """After a Haar rotation a uniform unit vector is again uniform, whatever the rotation
+    drawn, so the per-vector errors are independent with mean the codebook's D_mse exactly.
+    The sample mean of 3,000 is within Z standard errors of D (false failure 1e-7)."""
     quantizer = make_quantizer("turboquant-mse", d, bits, seed=fresh_seed(rng))
-    errors = measured_distortion(quantizer, unit_vectors(rng, 10_000, d))
+    errors = measured_distortion(quantizer, unit_vectors(rng, 3_000, d))
     expected = lloyd_max(d, bits).distortion
     print(
         f"turboquant-mse d={d} b={bits}: measured D = {errors.mean().item():.5f}, "
         f"codebook D = {expected:.5f}"
     )
-    assert errors.mean().item() == pytest.approx(expected, rel=0.03)
-    assert abs(errors.mean().item() - expected) < Z * errors.std().item() / math.sqrt(len(errors))
+    se = errors.std().item() / math.sqrt(len(errors))
+    record_statistic("|mean - D| / SE", abs(errors.mean().item() - expected) / se, Z)
 
 
+@pytest.mark.randomized
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-def test_mse_estimator_shrinks_inner_products_by_one_minus_distortion(rng, bits):
+def test_mse_estimator_shrinks_inner_products_by_one_minus_distortion(rng, record_statistic, bits):
     """The Lloyd-Max centroid condition gives E⟨x, x̂⟩ = E‖x̂‖² = 1 − D for unit x, so the
-    least-squares slope of ⟨q, x̂⟩ on ⟨q, x⟩ over isotropic q is 1 − D: a biased estimator."""
+    least-squares slope of ⟨q, x̂⟩ on ⟨q, x⟩ over isotropic q is 1 − D: a biased estimator.
+    The slope's regression standard error misses the spread of the realized ⟨x, x̂⟩ from
+    vector to vector (relative sd sqrt(D/d) ≤ 0.06, so ≤ 0.06/sqrt(n) = 8e-4 on the slope);
+    2e-3 covers it 2.4 times over, Z covers the regression noise (false failure 1e-7)."""
     d, n = 128, 20_000
     quantizer = make_quantizer("turboquant-mse", d, bits, seed=fresh_seed(rng))
     x = unit_vectors(rng, n, d)
@@ -61,14 +77,20 @@ def test_mse_estimator_shrinks_inner_products_by_one_minus_distortion(rng, bits)
     slope_se = residual.std() / truth.norm()
     expected = 1 - lloyd_max(d, bits).distortion
     print(f"bits={bits}: slope {slope.item():.4f}, expected 1 - D = {expected:.4f}")
-    assert abs(slope.item() - expected) < Z * slope_se.item() + 2e-3  # + the slope's own
-    # spread over x (the realized ⟨x, x̂⟩ varies from vector to vector: ≤ 0.2%)
-    assert 1 - slope.item() > Z * slope_se.item()  # the bias is real and detected
+    margin = Z * slope_se.item() + 2e-3
+    record_statistic("|slope - (1 - D)| / margin", abs(slope.item() - expected) / margin, 1.0)
+    # the bias is real and detected: 1 - slope ≈ D ≥ 0.009 at 4 bits, over 10 margins away
+    record_statistic(
+        "(1 - slope) / (Z SE)", (1 - slope.item()) / (Z * slope_se.item()), 1.0, at_least=True
+    )
 
 
 def prod_errors(rng, method, bits, sketch, d=64, quantizers=200, pairs=100, **options):
     """Estimator errors over fresh quantizers (fresh rotation and sketch each): the QJL
-    estimator is unbiased over the draw of the sketch, so the sketch must be redrawn."""
+    estimator is unbiased over the draw of the sketch, so the sketch must be redrawn.
+
+    Each returned tensor is [quantizers, pairs]: the pairs of one quantizer share its sketch
+    and are correlated, so standard errors are taken over the quantizers' means."""
     base = fresh_seed(rng)
     errors, mse_errors, bounds, exact_var = [], [], [], []
     for i in range(quantizers):
@@ -85,76 +107,114 @@ def prod_errors(rng, method, bits, sketch, d=64, quantizers=200, pairs=100, **op
         bounds.append(math.pi / (2 * m) * (q * q).sum(-1) * r_norm**2)
         q_dot_r = (q * x).sum(-1) - mse  # ⟨q, r⟩ in original units (up to norm rounding)
         exact_var.append(bounds[-1] - q_dot_r**2 / m)
-    return tuple(torch.cat(t) for t in (errors, mse_errors, bounds, exact_var))
+    return tuple(torch.stack(t) for t in (errors, mse_errors, bounds, exact_var))
+
+
+def mean_and_se(per_quantizer: torch.Tensor) -> tuple[float, float]:
+    """The grand mean of a [quantizers, pairs] tensor and its standard error over quantizers."""
+    means = per_quantizer.mean(-1)
+    return means.mean().item(), means.std().item() / math.sqrt(len(means))
 
 
 @pytest.mark.parametrize("method", ["turboquant-prod", "rotorquant-prod"])
 @pytest.mark.parametrize("sketch", ["gaussian", "orthogonal"])
 def test_prod_estimator_is_unbiased(rng, method, sketch):
+    """The mean error over 200 independent quantizers is within Z standard errors of 0 (false
+    failure 1e-7); the MSE-only part's shrinkage bias, about D⟨q, x⟩ with ⟨q, x⟩ ≈ 150, is
+    hundreds of standard errors away from 0, so its detection cannot fail by chance."""
     errors, mse_errors, _, _ = prod_errors(rng, method, 3, sketch)
-    n = len(errors)
-    assert n >= 20_000
-    se = errors.std() / math.sqrt(n)
-    print(f"{method}/{sketch}: mean error {errors.mean().item():+.5f} ± {se.item():.5f} (SE)")
-    assert abs(errors.mean().item()) < Z * se.item()
+    mean, se = mean_and_se(errors)
+    print(f"{method}/{sketch}: mean error {mean:+.5f} ± {se:.5f} (SE over quantizers)")
+    assert abs(mean) < Z * se
     # the same data shows the MSE-only part is biased: the test has the power to see a bias
-    mse_se = mse_errors.std() / math.sqrt(n)
-    assert abs(mse_errors.mean().item()) > Z * mse_se.item()
+    mse_mean, mse_se = mean_and_se(mse_errors)
+    assert abs(mse_mean) > Z * mse_se
 
 
 @pytest.mark.parametrize("sketch", ["gaussian", "orthogonal"])
 def test_prod_variance_is_within_the_papers_bound(rng, sketch):
     """Var ≤ π/(2m)‖q‖²‖r‖²; for the Gaussian sketch it equals π/(2m)‖q‖²‖r‖² − ⟨q,r⟩²/m
-    exactly. The mean squared error is compared with the mean bound, allowing 4 standard
-    errors of the mean squared error."""
+    exactly. The mean of err² − bound over 100 independent quantizers is compared with 0,
+    allowing Z standard errors over the quantizers (false failure 1e-7 per assertion)."""
     errors, _, bounds, exact_var = prod_errors(rng, "turboquant-prod", 3, sketch, quantizers=100)
-    n = len(errors)
-    mse = (errors**2).mean().item()
-    se = (errors**2).std().item() / math.sqrt(n)
-    print(f"{sketch}: E[err²] = {mse:.5f} ± {se:.5f}, bound {bounds.mean().item():.5f}")
-    assert mse < bounds.mean().item() + Z * se
+    over_bound, se_bound = mean_and_se(errors**2 - bounds)
+    over_exact, se_exact = mean_and_se(errors**2 - exact_var)
+    print(f"{sketch}: E[err² - bound] = {over_bound:.5f} ± {se_bound:.5f}")
+    assert over_bound < Z * se_bound
     if sketch == "gaussian":
-        assert abs(mse - exact_var.mean().item()) < Z * se
-    else:  # orthogonal rows are negatively correlated: strictly below the Gaussian variance
-        assert mse < exact_var.mean().item()
+        assert abs(over_exact) < Z * se_exact
+    else:  # orthogonal rows are negatively correlated: below the Gaussian variance
+        assert over_exact < Z * se_exact
 
 
 def test_qjl_dim_larger_than_d_lowers_the_variance(rng):
+    """m = 4d should cut the QJL variance about 4x. Over 40 quantizers each mean squared error
+    is within 15 % of its expectation except with probability < 1e-7 (Z standard errors over
+    the quantizers, relative SE ≤ 2.5 % as measured), so a ratio below 1/2 cannot fail by
+    chance: it fails only when the variance does not fall with m."""
     errors_m, _, _, _ = prod_errors(rng, "turboquant-prod", 2, "orthogonal", quantizers=40)
     errors_4m, _, _, _ = prod_errors(
         rng, "turboquant-prod", 2, "orthogonal", quantizers=40, qjl_dim=256
     )
-    # m = 4d should cut the QJL variance about 4x; 2x leaves a wide statistical margin
     assert (errors_4m**2).mean() < (errors_m**2).mean() / 2
 
 
-def test_rotorquant_distortion_on_gaussian_vectors(rng):
-    """A block rotation of an isotropic Gaussian vector is isotropic again, so on such vectors
-    rotor blocks give the codebook's distortion (d = 96 is a multiple of 3; at d = 128 one
-    padded group of 43 deviates and the mean moves by well under 3%)."""
+@pytest.mark.randomized
+def test_rotorquant_distortion_on_gaussian_vectors(rng, record_statistic):
+    """A block rotation of an isotropic Gaussian vector is isotropic again, whatever the rotors
+    drawn, so on such vectors rotor blocks give the codebook's distortion: at d = 96 (a
+    multiple of 3) exactly, so the mean of 3,000 independent errors is within Z standard errors
+    (false failure 1e-7). At d = 128 the padded last group (two coordinates and a zero) is not
+    isotropic and moves the mean by a fixed amount, well under 3 %: Z standard errors (≈ 0.6 %
+    of D) plus that shift stay inside 3 %, and the audit shows the margin."""
     for d in (96, 128):
         quantizer = make_quantizer("rotorquant-mse", d, 3, seed=fresh_seed(rng))
-        x = torch.randn(10_000, d, generator=rng)
+        x = torch.randn(3_000, d, generator=rng)
         errors = measured_distortion(quantizer, x) / (x * x).sum(-1)
         print(f"rotorquant-mse d={d} b=3 on Gaussian vectors: D = {errors.mean().item():.5f}")
-        assert errors.mean().item() == pytest.approx(lloyd_max(d, 3).distortion, rel=0.03)
+        expected = lloyd_max(d, 3).distortion
+        se = errors.std().item() / math.sqrt(len(errors))
+        if d == 96:
+            record_statistic("d=96 |mean - D| / SE", abs(errors.mean().item() - expected) / se, Z)
+        record_statistic(f"d={d} |mean / D - 1|", abs(errors.mean().item() / expected - 1), 0.03)
 
 
-def test_rotor_blocks_leave_outliers_dense_rotation_spreads_them(rng):
+def mean_relative_distortion(rng, method, d, draws, vectors, outliers):
+    """One mean relative distortion per draw of the rotation: fresh quantizer, fresh vectors."""
+    means = []
+    for _ in range(draws):
+        quantizer = make_quantizer(method, d, 3, seed=fresh_seed(rng))
+        x = torch.randn(vectors, d, generator=rng)
+        x[:, outliers] *= 12.0
+        means.append((measured_distortion(quantizer, x) / (x * x).sum(-1)).mean().item())
+    return torch.tensor(means)
+
+
+@pytest.mark.randomized
+def test_rotor_blocks_leave_outliers_dense_rotation_spreads_them(rng, record_statistic):
     """Keys of real models have a few outlier channels. A dense rotation spreads an outlier
     over all coordinates; a rotor only within its group of three, where it overflows the
-    codebook. Measured on Gaussian vectors with two channels 12x larger."""
-    d = 128
-    x = torch.randn(10_000, d, generator=rng)
-    x[:, [5, 77]] *= 12.0
-    relative = {}
-    for method in ("turboquant-mse", "rotorquant-mse"):
-        quantizer = make_quantizer(method, d, 3, seed=fresh_seed(rng))
-        relative[method] = (measured_distortion(quantizer, x) / (x * x).sum(-1)).mean().item()
-    print(f"relative distortion with outlier channels: {relative}")
+    codebook. Measured on Gaussian vectors with two channels 12x larger.
+
+    How one dense rotation spreads the two outliers depends on the draw: one draw's mean
+    relative distortion X (100 vectors) has sd 0.00132 and |X − D| ≤ 0.0084 over 1,000 draws.
+    Averaged over Haar draws the rotated direction is uniform, so E X = D exactly. With
+    σ ≤ 0.0015 and |X − D| ≤ 0.02 (margins 14 % and 2.4x over the measured values),
+    Bernstein's inequality over 200 independent draws gives
+    P(|mean − D| ≥ ε = 0.00136 = 4 % of D) ≤ 2 exp(−200 ε² / (2σ² + 2 · 0.02 ε / 3)) = 2e-7.
+
+    A rotor cannot spread an outlier beyond its group: at best it splits it evenly over three
+    coordinates at 0.34 of the norm each, beyond the codebook's largest level 0.19, which
+    costs at least 0.14 in relative distortion for the two groups (measured over 1,000 draws:
+    0.17 at least, 0.23 on average), against 3 x 1.04 D = 0.106 on the dense side: the
+    ratio cannot fall below 3 by chance."""
+    d, outliers = 128, [5, 77]
+    dense = mean_relative_distortion(rng, "turboquant-mse", d, 200, 100, outliers)
+    rotor = mean_relative_distortion(rng, "rotorquant-mse", d, 10, 100, outliers)
+    print(f"relative distortion with outliers: dense {dense.mean():.5f}, rotor {rotor.mean():.5f}")
     d_mse = lloyd_max(d, 3).distortion
-    assert relative["turboquant-mse"] == pytest.approx(d_mse, rel=0.1)
-    assert relative["rotorquant-mse"] > 3 * relative["turboquant-mse"]
+    record_statistic("dense |mean / D - 1|", abs(dense.mean().item() / d_mse - 1), 0.04)
+    record_statistic("rotor / dense", rotor.mean().item() / dense.mean().item(), 3.0, at_least=True)
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -292,17 +352,20 @@ def test_norm_mantissa_rounding_is_nearest_and_representable(mantissa_bits, rng)
         round_fp16_mantissa(-values, mantissa_bits)
 
 
+@pytest.mark.randomized
 def test_norm_mantissa_bits_are_counted_and_barely_change_the_distortion(rng):
     d, bits = 128, 5
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
     full = make_quantizer("turboquant-mse", d, bits, seed=seed)
     short = make_quantizer("turboquant-mse", d, bits, seed=seed, norm_mantissa_bits=6)
     assert full.bits_per_vector == 5 * 128 + 16 and short.bits_per_vector == 5 * 128 + 11
-    x = torch.randn(10_000, d, generator=rng) * torch.rand(10_000, 1, generator=rng) * 50
+    x = torch.randn(3_000, d, generator=rng) * torch.rand(3_000, 1, generator=rng) * 50
     error_full = (full.dequantize(full.quantize(x)) - x).pow(2).sum(-1) / x.pow(2).sum(-1)
     error_short = (short.dequantize(short.quantize(x)) - x).pow(2).sum(-1) / x.pow(2).sum(-1)
     # the norm's relative error is at most 2^-7, so it adds at most (2^-7)^2 = 6.1e-5 to a
-    # relative distortion of D(5 bits) ~ 2.5e-3: the means must agree within 3 %
+    # relative distortion of D(5 bits) ~ 2.5e-3: the means must agree within 3 % (7.5e-5). The
+    # cross term 2ε⟨x − x̂, x̂⟩/‖x‖² averages to 0 with sd ≤ 2 · 2^-7 · sqrt(D/d) = 1.4e-4 per
+    # vector, 2.6e-6 for the mean of 3,000: the 3 % cannot be missed by chance (> 20 sd)
     assert error_short.mean().item() == pytest.approx(error_full.mean().item(), rel=0.03)
     assert (error_short - error_full).abs().max().item() <= 2 * 2.0**-7 + 1e-4
     with pytest.raises(ValueError, match="float16"):
