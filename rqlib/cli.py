@@ -17,25 +17,9 @@ count, the device, the output path, the specs against the model, the budgets). A
 is one line on stderr and exit status 2; a traceback means a bug. Output files are written
 atomically and an existing one is replaced only with ``--force``.
 
-Method specs (eval, experiment): METHOD[:TOKEN]... with METHOD one of turboquant-mse,
-turboquant-prod, rotorquant-mse, rotorquant-prod, or preset:NAME[:TOKEN]...; TOKENs:
-  k3 | k=3        key bits (1..8; -prod needs >= 2)         default 3
-  v4 | v=4 | v=fp value bits; fp (default) = values in full precision
-  b3              key and value bits
-  k0-1=4, v29=5   bits of one layer or an inclusive range of layers (v..=fp allowed)
-  sink1           first N tokens exact          win32   W most recent tokens exact (per query)
-  wb=8            the recent band stored as 8-bit codes instead of exact copies
-  exact=0,-1      layers kept exact (negative: from the end)
-  ctr             per-head key centering, mean calibrated on pydoc (never the eval text)
-  ks / vs         key / value channel scaling by calibrated query / o_proj energies
-  alloc=3.5       per-layer K and V bits chosen from measured sensitivity so that the average
-                  bits are at most 3.5; the presets use it
-  ko32 / vo32 / out32   K / V / both outlier channels (calibrated) at +1 bit; obits=2
-  nc              norm correction (least-squares scale; -mse methods)
-  nm=6            norms rounded to 6 mantissa bits (11 bits each instead of 16)
-  rot=dense|hadamard|rotor|none   qjl=gaussian|orthogonal   m=128 (QJL rows)
-  law=beta|gaussian (codebook)    seed=0    calib=pydoc    ctok=2048 (calibration tokens)
-Values always use the -mse quantizer of the method's family.
+Method specs (eval, experiment): METHOD[:TOKEN]... or preset:NAME[:TOKEN]...; the legend of
+every token, preset and ablation lever is generated from their definitions
+(:mod:`rqlib.book.legend`) and printed by ``python -m rqlib eval --help``.
 
 Peers (eval): the caches a transformers user would pick instead, counted the same way:
   hf-quanto:int4 | hf-quanto:int2 | hf-hqq:int2 | hf-hqq:int3 | hf-hqq:int4 | hf-fp8
@@ -136,7 +120,24 @@ def _force_argument(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- eval ------------------------------------------------------------------------------------
+def _with_legend(parser: argparse.ArgumentParser) -> None:
+    """End ``parser``'s help with the legend of the spec language, the presets and the levers
+    (:func:`rqlib.book.legend.legend_text`), built only when the help is shown: it imports the
+    library's definitions, which a command that does not print its help need not pay for."""
+    plain = parser.format_help
+
+    def format_help() -> str:
+        from rqlib.book.legend import legend_text
+
+        parser.epilog = legend_text()
+        return plain()
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.format_help = format_help  # type: ignore[method-assign]
+
+
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    _with_legend(parser)
     parser.add_argument(
         "--model",
         default="smollm2-135m",
@@ -144,7 +145,11 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--corpus", default="wikitext-2", help="wikitext-2 or pydoc")
     parser.add_argument(
-        "--tokens", type=int, default=4096, help="number of tokens evaluated (no BOS)"
+        "--tokens",
+        type=int,
+        default=4096,
+        help="number of tokens evaluated (no BOS); 0: the whole corpus from --offset on; their "
+        "windows must score at least 16 tokens (the first token of a window is not scored)",
     )
     parser.add_argument(
         "--offset",
@@ -258,12 +263,13 @@ def _prepare_eval(args: argparse.Namespace):
     from rqlib.hf.models import load_model
     from rqlib.spec.config import CompressionConfig
     from rqlib.study.allocation import check_budget
-    from rqlib.study.eval import check_methods, select_tokens, windows
+    from rqlib.study.eval import check_methods, check_scored_tokens, evaluation_tokens, windows
 
     with _user_input():
         configs = _parse_methods(args.method)
-    for name in ("tokens", "window", "context"):
+    for name in ("window", "context"):
         _at_least(name, getattr(args, name), 2)
+    _at_least("tokens", args.tokens, 0)
     _at_least("offset", args.offset, 0)
     _at_least("batch", args.batch, 1)
     if (args.mode == "chunked") != (args.chunk is not None):
@@ -271,7 +277,10 @@ def _prepare_eval(args: argparse.Namespace):
     with _user_input("--method"):
         check_methods(configs, args.mode, args.chunk, resolved=False)
     with _user_input("--stride"):
-        windows(args.tokens, args.window, args.stride)
+        windows(args.window, args.window, args.stride)
+    if args.tokens:  # 0 (the whole corpus) is checked once the corpus is tokenized
+        with _user_input("--tokens"):
+            check_scored_tokens(args.tokens, args.window, args.stride)
     device = _check_device(args.device)
     _check_output(args.json, args.force)
     with _user_input():
@@ -279,7 +288,9 @@ def _prepare_eval(args: argparse.Namespace):
     with _user_input(f"--model {args.model}"):
         model, tokenizer = load_model(args.model)
     with _user_input(f"--tokens ({args.corpus})"):
-        ids = select_tokens(tokenize_corpus(corpus, tokenizer), args.offset, args.tokens)
+        ids = evaluation_tokens(
+            tokenize_corpus(corpus, tokenizer), args.offset, args.tokens, args.window, args.stride
+        )
     with _user_input("--method"):
         for config in configs:
             if isinstance(config, CompressionConfig):
@@ -298,7 +309,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     started = time.time()
     configs, corpus, model, tokenizer, ids = _prepare_eval(args)
     configs = [
-        resolve(config, model, tokenizer, context=args.context)
+        resolve(config, model, tokenizer, context=args.context, progress=not args.no_progress)
         if isinstance(config, CompressionConfig)
         else config
         for config in configs
@@ -318,8 +329,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     )
     fp_perplexity = results[0].perplexity
     rows = [result.to_dict(fp_perplexity) for result in results]
+    n_tokens = int(ids.numel())
     print(
-        f"{args.model} on {args.corpus}: {args.tokens} tokens from offset {args.offset}, "
+        f"{args.model} on {args.corpus}: {n_tokens} tokens from offset {args.offset}, "
         f"windows of {args.window}"
         + (f", stride {args.stride}" if args.stride else " (non-overlapping)")
         + f", {args.mode} mode"
@@ -335,11 +347,11 @@ def _run_eval(args: argparse.Namespace) -> int:
             "model": args.model,
             "corpus": corpus.provenance(),
             "offset": args.offset,
-            "tokens": args.tokens,
+            "tokens": n_tokens,
             "tokens_sha256": tokens_sha256(ids),
             "window": args.window,
             "stride": args.stride,
-            "windows": len(windows(args.tokens, args.window, args.stride)),
+            "windows": len(windows(n_tokens, args.window, args.stride)),
             "mode": args.mode,
             "chunk": args.chunk,
             "batch": args.batch,

@@ -41,6 +41,7 @@ __all__ = [
     "seed_spread",
     "shipped_allocation",
     "sweep_command",
+    "sweep_draws",
     "top_levers",
 ]
 
@@ -173,6 +174,7 @@ def committed_numbers(
     numbers: dict[str, object] = {}
     for m, frame in keys_only.items():
         numbers[f"keys_only_{m}_tokens"] = int(frame["tokens"].iloc[0])
+        numbers[f"keys_only_{m}_window"] = int(frame["window"].iloc[0])
         numbers[f"keys_only_{m}_fp_ppl"] = float(frame["perplexity"].iloc[0])
         for row in frame[frame["method"] != "fp"].itertuples():
             numbers[slug("keys_only", m, row.method, f"k{row.key_bits}")] = row.delta_ppl_pct
@@ -263,6 +265,39 @@ def seed_spread(frame: pd.DataFrame) -> dict[str, float]:
         spread[f"{column}_min"] = float(rows[column].min())
         spread[f"{column}_max"] = float(rows[column].max())
     return spread
+
+
+def sweep_draws(directory: Path | str | None = None, bits: int = 3) -> dict[str, object]:
+    """How far one setting of chapter 4 moves when its rotations are drawn again, from the
+    committed sweep (``results/04_perplexity/``, every setting drawn with several seeds, at
+    whatever code state it was run: the range is a property of the protocol, not of a commit).
+
+    Glue values: ``sweep_tokens``, ``sweep_window``, ``sweep_n_draws``; per method at ``bits``
+    key bits and no exact window, ``sweep_<method>_k<bits>_low`` / ``_median`` / ``_high``
+    (ΔPPL %); ``sweep_range_median`` and ``sweep_range_max``, the range (high - low, in
+    points of ΔPPL %) at the median setting and the widest."""
+    from rqlib.book.chapter import slug
+    from rqlib.book.draws import repeated_draws
+    from rqlib.book.results import collect
+
+    runs = collect("04_perplexity", directory)
+    keys = ["key_bits", "method", "exact_window"]
+    summary = repeated_draws(runs, "delta_ppl_pct", keys, "seed")
+    spread = summary["high"] - summary["low"]
+    numbers: dict[str, object] = {
+        "sweep_tokens": int(runs["tokens"].iloc[0]),
+        "sweep_window": int(runs["window"].iloc[0]),
+        "sweep_n_draws": int(summary["n_draws"].iloc[0]),
+        "sweep_range_median": float(spread.median()),
+        "sweep_range_max": float(spread.max()),
+    }
+    shown = summary[(summary["key_bits"] == bits) & (summary["exact_window"] == 0)]
+    if shown.empty:
+        raise ValueError(f"the sweep has no setting at {bits} key bits without an exact window")
+    for row in shown.itertuples():
+        for stat in ("low", "median", "high"):
+            numbers[slug("sweep", row.method, f"k{bits}", stat)] = float(getattr(row, stat))
+    return numbers
 
 
 def top_levers(ablation: pd.DataFrame) -> pd.DataFrame:

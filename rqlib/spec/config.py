@@ -68,6 +68,7 @@ __all__ = [
     "QJL_SKETCHES",
     "CompressionConfig",
     "ConfigFieldError",
+    "SPEC_TOKENS",
     "get_preset",
 ]
 
@@ -534,6 +535,44 @@ _INT_FIELDS = {
     "qjl_dim",
     "seed",
     "calibration_tokens",
+}
+
+#: The spec language, one entry per token the parser above knows: its name as parsed -> (the
+#: forms it takes, what it does). ``python -m rqlib eval --help`` and the book's legend print
+#: this table; a test checks that every token the parser reads has its entry.
+SPEC_TOKENS: dict[str, tuple[str, str]] = {
+    "k": ("k3 | k=3", "key bits (1..8; the -prod methods need >= 2); default 3"),
+    "v": ("v4 | v=4 | v=fp", "value bits; fp (the default) keeps the values in full precision"),
+    "b": ("b3", "key and value bits at once"),
+    "layer bits": (
+        "k0-1=4 | v29=5 | v3=fp",
+        "the bits of one layer or of an inclusive range of layers (values may be fp)",
+    ),
+    "exact": ("exact=0,-1", "layers kept exact (negative: counted from the end)"),
+    "sink": ("sink1", "the first N tokens kept exact (attention sinks)"),
+    "win": ("win32", "the W most recent tokens of each query kept exact (the recent band)"),
+    "wb": ("wb=8", "the recent band stored as 8-bit codes instead of exact copies"),
+    "ctr": ("ctr", "per-head key centering, its mean calibrated on pydoc (never the eval text)"),
+    "ks": ("ks", "key channels scaled by calibrated query / key energies"),
+    "vs": ("vs", "value channels scaled by calibrated o_proj energies"),
+    "ko": ("ko32", "32 calibrated key outlier channels stored with more bits"),
+    "vo": ("vo32", "32 calibrated value outlier channels stored with more bits"),
+    "out": ("out32", "key and value outlier channels at once"),
+    "obits": ("obits=2", "the extra bits of the outlier channels (default 1)"),
+    "nc": ("nc", "norm correction: a least-squares scale undoes the shrinkage (-mse methods)"),
+    "nm": ("nm=6", "norms rounded to 6 mantissa bits (11 bits each instead of 16)"),
+    "alloc": (
+        "alloc=3.5",
+        "a budget: per-layer K and V bits chosen from measured sensitivity so that the average "
+        "stored bits are at most 3.5 (the presets use it)",
+    ),
+    "rot": ("rot=dense|hadamard|rotor|none", "the random rotation applied before quantizing"),
+    "qjl": ("qjl=gaussian|orthogonal", "the QJL sketch S of the -prod methods"),
+    "m": ("m=128", "rows of the QJL sketch (default: the head dimension d)"),
+    "law": ("law=beta|gaussian", "the coordinate law the Lloyd-Max codebook is fitted to"),
+    "seed": ("seed=0", "the seed of the random rotations and sketches"),
+    "calib": ("calib=pydoc", "the corpus calibrations are measured on"),
+    "ctok": ("ctok=2048", "the number of calibration tokens"),
 }
 
 

@@ -73,9 +73,12 @@ __all__ = [
     "FP_LABEL",
     "MODES",
     "MethodResult",
+    "MIN_SCORED_TOKENS",
+    "check_scored_tokens",
     "check_methods",
     "compare_modes",
     "evaluate",
+    "evaluation_tokens",
     "select_tokens",
     "tokens_sha256",
     "window_batches",
@@ -136,6 +139,40 @@ def select_tokens(token_ids: torch.Tensor, offset: int, n_tokens: int) -> torch.
             f"its end (at most {max(available - offset, 0)} tokens from that offset)"
         )
     return token_ids[offset : offset + n_tokens]
+
+
+#: The fewest tokens an evaluation a user asks for must score: fewer say nothing (``--tokens 2``
+#: scores one token, and its ΔPPL of a few hundredths of a percent is noise, not a result).
+MIN_SCORED_TOKENS = 16
+
+
+def check_scored_tokens(n_tokens: int, window: int, stride: int | None = None) -> int:
+    """The number of tokens that ``n_tokens`` tokens in these windows score (the first token
+    of a window is not); ``ValueError`` naming the minimum when it is below
+    :data:`MIN_SCORED_TOKENS`. The one rule of ``python -m rqlib eval --tokens`` and of
+    chapter 4's ``tokens``, where 0 means the whole corpus (see :func:`evaluation_tokens`)."""
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+        raise ValueError(f"the token count must be an int >= 0 (0: the whole corpus): {n_tokens!r}")
+    spans = windows(n_tokens, window, stride) if n_tokens >= 2 else []
+    scored = sum(end - first for _, end, first in spans)
+    if scored < MIN_SCORED_TOKENS:
+        raise ValueError(
+            f"{n_tokens} tokens in windows of {window} score {scored}; at least "
+            f"{MIN_SCORED_TOKENS} must be scored (ask for more tokens, or 0 for the whole corpus)"
+        )
+    return scored
+
+
+def evaluation_tokens(
+    token_ids: torch.Tensor, offset: int, n_tokens: int, window: int, stride: int | None = None
+) -> torch.Tensor:
+    """The tokens an evaluation reads: ``n_tokens`` from ``offset`` of a tokenized corpus
+    (:func:`select_tokens`), or every token from ``offset`` on when ``n_tokens`` is 0; refused
+    by :func:`check_scored_tokens` when their windows would score too few."""
+    if n_tokens == 0 and not isinstance(n_tokens, bool) and isinstance(token_ids, torch.Tensor):
+        n_tokens = max(int(token_ids.numel()) - offset, 0)
+    check_scored_tokens(n_tokens, window, stride)
+    return select_tokens(token_ids, offset, n_tokens)
 
 
 def tokens_sha256(token_ids: torch.Tensor) -> str:

@@ -181,7 +181,12 @@ LEVERS: dict[str, Lever] = {
             "recent band kept exact at 16 bits instead of 8-bit codes (same per-layer bits)",
             _exact_band,
         ),
-        Lever("norm-correction", "removed", "plain fp16 norms", _without_norm_correction),
+        Lever(
+            "norm-correction",
+            "removed",
+            "no norm correction: the shrinkage of the scores is left in",
+            _without_norm_correction,
+        ),
         Lever(
             "short-norms",
             "removed",
@@ -292,7 +297,7 @@ def run_experiment(
     model, tokenizer = load_model(model_name)
     plan: list[tuple[dict, CompressionConfig]] = []
     for preset in presets:
-        resolved = resolve(get_preset(preset), model, tokenizer, context=context)
+        resolved = resolve(get_preset(preset), model, tokenizer, context=context, progress=progress)
         plan.append(
             (
                 {"role": "preset", "preset": preset, "lever": None, "change": None},
