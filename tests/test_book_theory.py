@@ -33,7 +33,7 @@ def test_density_matches_random_unit_vectors(rng, record_statistic):
     """Independent samples from the law itself: the KS p-value is uniform, so p > 1e-7 fails
     with probability 1e-7; the mean |coordinate| is within 5.33 standard errors (two-sided
     normal tail 1e-7). False-failure rate 2e-7."""
-    d, n = 24, 20000
+    d, n = 24, 60000
     g = torch.randn(n, d, generator=rng, dtype=torch.float64)
     first = (g[:, 0] / g.norm(dim=1)).numpy()
     # the CDF of the shifted Beta law, which test_density_is_the_shifted_beta_law proves equal
