@@ -529,7 +529,10 @@ def _run_allocate(args: argparse.Namespace) -> int:
 # ---- sweep -----------------------------------------------------------------------------------
 def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "notebook", type=Path, help="the chapter to run, e.g. notebooks/04_perplexity.ipynb"
+        "notebook",
+        type=Path,
+        nargs="?",
+        help="the chapter to run, e.g. notebooks/04_perplexity.ipynb",
     )
     parser.add_argument(
         "-p",
@@ -543,50 +546,181 @@ def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-f", "--parameters-file", type=Path, help="YAML file of fixed parameters for every run"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="runs executed in parallel (default 1)")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        help="where the runs' results go (default $RQLIB_RESULTS_DIR, else <repo>/sweeps); "
+        "chapter 5 draws from it with -p results_dir DIR",
+    )
+    parser.add_argument(
+        "--into-committed-results",
+        action="store_true",
+        help="write into the committed results/ the book reads (never without this option)",
+    )
     parser.add_argument(
         "--output-dir",
         type=Path,
-        help="where executed notebooks go (default <repo>/book/_generated/<chapter>)",
+        help="where executed notebooks go (default <results-dir>/runs/<chapter>)",
     )
     parser.add_argument("--kernel", help="Jupyter kernel name (default: the notebook's)")
     parser.add_argument(
         "--dry-run", action="store_true", help="check the parameters and list the runs only"
     )
+    parser.add_argument(
+        "--resume", action="store_true", help="run only the runs that have no results file yet"
+    )
+    parser.add_argument(
+        "--status",
+        type=Path,
+        metavar="DIR",
+        help="report every run of the sweep in results folder DIR (queued, running, done, "
+        "failed; job id, wall time, error) and exit",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=["local", "slurm"],
+        default="local",
+        help="local: a process pool on this machine (default); slurm: one Slurm job per run",
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="local: runs in parallel (default 1)")
+    slurm = parser.add_argument_group("--executor slurm")
+    slurm.add_argument("--partition", help="Slurm partition (default: the cluster's)")
+    slurm.add_argument("--gpus-per-run", type=int, default=0, help="GPUs per run (default 0)")
+    slurm.add_argument("--time-limit", type=int, metavar="MINUTES", help="time limit per run")
+    slurm.add_argument("--mem", help="memory per run, as sbatch reads it (e.g. 16G)")
+    slurm.add_argument("--cpus-per-run", type=int, help="CPUs per run")
+    slurm.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="an extra sbatch option, --name=value or --name (repeat for more)",
+    )
+    slurm.add_argument(
+        "--slurm-config",
+        type=Path,
+        metavar="YAML",
+        help="a YAML file of submitit SlurmExecutor parameters (the options above override it)",
+    )
+    slurm.add_argument(
+        "--detach", action="store_true", help="submit and return; follow with --status DIR"
+    )
+
+
+#: The options that only --executor slurm reads, with their defaults.
+_SLURM_ONLY = {
+    "partition": None,
+    "gpus_per_run": 0,
+    "time_limit": None,
+    "mem": None,
+    "cpus_per_run": None,
+    "sbatch": [],
+    "slurm_config": None,
+    "detach": False,
+}
 
 
 def _run_sweep(args: argparse.Namespace) -> int:
-    from rqlib.book.results import results_dir
     from rqlib.book.sweep import (
         fixed_from_file,
+        format_status,
         grid_from_pairs,
         plan_sweep,
+        result_path,
         results_written,
         run_sweep,
+        sweep_results_dir,
+        sweep_status,
     )
 
+    if args.status is not None:
+        if args.notebook is not None:
+            raise UsageError("--status DIR reports a sweep; give it without a notebook")
+        with _user_input():
+            rows = sweep_status(args.status)
+        print(format_status(rows))
+        return 0
+    if args.notebook is None:
+        raise UsageError("give the chapter to sweep (or --status DIR)")
     _at_least("jobs", args.jobs, 1)
+    _at_least("gpus-per-run", args.gpus_per_run, 0)
+    _at_least("time-limit", args.time_limit, 1)
+    _at_least("cpus-per-run", args.cpus_per_run, 1)
+    if args.executor == "local":
+        given = [
+            f"--{n.replace('_', '-')}" for n, d in _SLURM_ONLY.items() if getattr(args, n) != d
+        ]
+        if given:
+            raise UsageError(f"{', '.join(given)} only apply with --executor slurm")
+    elif args.jobs != 1:
+        raise UsageError("--jobs applies to --executor local; Slurm runs each run as a job")
+    chapter = Path(args.notebook).stem
     with _user_input():
+        results = sweep_results_dir(args.results_dir, into_committed=args.into_committed_results)
         grid = grid_from_pairs(args.parameter)
         fixed = fixed_from_file(args.parameters_file)
-        runs = plan_sweep(args.notebook, grid, fixed, args.output_dir)
-        results = results_dir()
+        runs = plan_sweep(args.notebook, grid, fixed, args.output_dir, results)
+        if args.executor == "slurm":
+            from rqlib.book.slurm import SlurmOptions, make_executor
+
+            options = SlurmOptions(
+                partition=args.partition,
+                gpus_per_run=args.gpus_per_run,
+                time_minutes=args.time_limit,
+                mem=args.mem,
+                cpus_per_run=args.cpus_per_run,
+                sbatch_flags=tuple(args.sbatch),
+                config=args.slurm_config,
+            )
+            make_executor(results / "runs" / chapter / "slurm", options)  # checks the options
+    if args.resume:
+        kept = [run for run in runs if result_path(results, chapter, run.run_id) is None]
+        print(f"--resume: {len(runs) - len(kept)} of {len(runs)} runs have results already")
+        runs = kept
     if args.dry_run:
         for planned in runs:
             print(planned.run_id, planned.parameters)
         return 0
+    if not runs:
+        print(f"nothing to run; results: {results / chapter}")
+        return 0
+    if args.executor == "slurm":
+        return _run_slurm_sweep(args, runs, results, options)
     started = time.time()
-    failures = run_sweep(args.notebook, runs, jobs=args.jobs, kernel_name=args.kernel)
-    chapter = Path(args.notebook).stem
+    failures = run_sweep(
+        args.notebook, runs, jobs=args.jobs, kernel_name=args.kernel, results=results
+    )
     failed = {run.run_id for run, _ in failures}
     for run in runs:  # a run that executed but saved nothing did not succeed either
         if run.run_id not in failed and not results_written(chapter, run, started, results):
             failures.append((run, RuntimeError(f"wrote no results file in {results / chapter}")))
     succeeded = len(runs) - len(failures)
     print(f"{succeeded}/{len(runs)} runs succeeded; results: {results / chapter}")
+    print(f"progress and errors of every run: {PROG} sweep --status {results}")
     for run, error in failures:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         print(f"FAILED {run.run_id}: {first_line} (see {run.output_notebook})", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _run_slurm_sweep(args: argparse.Namespace, runs: list, results: Path, options) -> int:
+    from rqlib.book.slurm import submit_sweep, wait_for_sweep
+
+    chapter = Path(args.notebook).stem
+    with _user_input():
+        jobs = submit_sweep(args.notebook, runs, results, options, kernel_name=args.kernel)
+    print(f"submitted {len(jobs)} Slurm jobs: {' '.join(jobs.values())}")
+    print(f"progress and errors of every run: {PROG} sweep --status {results}")
+    if args.detach:
+        return 0
+    failures = wait_for_sweep(results, chapter, list(jobs))
+    print(f"{len(runs) - len(failures)}/{len(runs)} runs succeeded; results: {results / chapter}")
+    for row in failures:
+        print(
+            f"FAILED {row['run_id']} (Slurm job {row['job_id']}): {row['error']} "
+            f"(log: {row['log'] or 'none recorded'})",
+            file=sys.stderr,
+        )
     return 1 if failures else 0
 
 
@@ -619,9 +753,27 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "what",
-        choices=["kernels", "decode-cpu"],
-        help="kernels: kernel timings on a GPU (the byte model without one); decode-cpu: time "
-        "per decode step on CPU, the fp cache and presets side by side",
+        choices=["gpu", "kernels", "decode-cpu"],
+        help="gpu: the GPU check (correctness, generate through the kernels, kernel and call "
+        "timings against fp16 SDPA, generate timings, start-up), written to --out; kernels: "
+        "kernel timings on a GPU (the byte model without one); decode-cpu: time per decode step "
+        "on CPU, the fp cache and presets side by side",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="gpu: the report's folder (default <checkout>/results/bench); the file is "
+        "gpu-<device>-<commit>.json",
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=None, metavar="STEP", help="gpu: run only these steps"
+    )
+    parser.add_argument(
+        "--batches", type=_int_list, default=None, help="gpu: comma-separated batches (1,8)"
+    )
+    parser.add_argument(
+        "--prompt", type=int, default=None, help="gpu: prompt tokens of the generate timings"
     )
     parser.add_argument("--model", default="smollm2-135m", help="decode-cpu: the model")
     parser.add_argument("--context", type=int, default=1024, help="decode-cpu: tokens before")
@@ -638,7 +790,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-lens",
         type=_int_list,
         default=DEFAULT_KV_LENS,
-        help="comma-separated context lengths (default 1k..128k)",
+        help="comma-separated context lengths (default 1k..128k; gpu: 4k..128k)",
     )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -652,13 +804,6 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--value-bits", type=int, default=4)
     parser.add_argument("--hbm-gbps", type=float, default=None, help="override the peak HBM GB/s")
     parser.add_argument("--cpu", action="store_true", help="print the byte model even on a GPU")
-    parser.add_argument(
-        "--sweep-tiles",
-        action="store_true",
-        help="also time the fused attention (packed K and V) for other tile sizes and "
-        "configurations (warps; scores on tensor or CUDA cores) at the largest kv_len (tuning "
-        "aid; the defaults live in rqlib.kernels.limits)",
-    )
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -674,6 +819,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     from rqlib.study.bench import decode_cpu, print_byte_model, print_decode_cpu, run_gpu
 
+    if args.what == "gpu":
+        return _run_bench_gpu(args)
     if args.what == "decode-cpu":
         for name, minimum in (("context", 1), ("steps", 1), ("batch", 1)):
             _at_least(name, getattr(args, name), minimum)
@@ -716,6 +863,56 @@ def _run_bench(args: argparse.Namespace) -> int:
         print("\nTimings need a CUDA GPU: rerun `python -m rqlib bench kernels` on one.")
         return 0
     return run_gpu(args)
+
+
+def _run_bench_gpu(args: argparse.Namespace) -> int:
+    """``bench gpu``: refuse without CUDA, then run :func:`rqlib.study.gpu_bench.run` into a
+    new report (or over one with ``--force``)."""
+    import torch
+
+    from rqlib.base.paths import repo_root
+    from rqlib.book.provenance import git_commit, package_versions
+    from rqlib.study import gpu_bench
+
+    if args.only:
+        unknown = sorted(set(args.only) - set(gpu_bench.STEPS))
+        if unknown:
+            raise UsageError(f"--only: unknown step {unknown[0]!r}; the steps are "
+                             f"{', '.join(gpu_bench.STEPS)}")  # fmt: skip
+    for name, values in (("kv-lens", args.kv_lens), ("batches", args.batches)):
+        if values is not None and (not values or min(values) < 1):
+            raise UsageError(f"--{name} must be positive integers, got {values}")
+    if args.prompt is not None:
+        _at_least("prompt", args.prompt, 1)
+    if not torch.cuda.is_available():
+        raise UsageError("bench gpu needs a CUDA device; torch sees none on this machine")
+    device = torch.cuda.get_device_name()
+    commit = git_commit()
+    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+    folder = args.out if args.out is not None else repo_root() / "results" / "bench"
+    path = Path(folder) / f"gpu-{slug}-{commit[:12]}.json"
+    _check_output(path, args.force)
+    header = {
+        "device": device,
+        "commit": commit,
+        "versions": package_versions(),
+        "cuda": torch.version.cuda,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    options = {}
+    from rqlib.study.bench import DEFAULT_KV_LENS
+
+    if args.kv_lens != DEFAULT_KV_LENS:
+        options["kv_lens"] = args.kv_lens
+    if args.batches is not None:
+        options["batches"] = args.batches
+    if args.prompt is not None:
+        options["context"] = args.prompt
+    print(f"bench gpu on {device} at {commit}; report: {path}", flush=True)
+    report = gpu_bench.Report(path, header)
+    ok = gpu_bench.run(report, steps=args.only or gpu_bench.STEPS, **options)
+    print(f"wrote {path}")
+    return 0 if ok else 1
 
 
 # ---- routing ---------------------------------------------------------------------------------
