@@ -57,3 +57,45 @@ def test_a_chapter_figure_keeps_its_legend_off_the_data(rng):
     fig = layer_errors_figure(frame, list(frame.method.unique()))
     assert not overlaps_an_axes(fig)
     plt.close(fig)
+
+
+def test_the_headline_figure_lists_what_it_draws_and_its_labels_do_not_collide():
+    """Fig. 4.6 from the committed held-out results: every legend entry is drawn (no peer the
+    tables lack), and no two point labels of a panel overlap."""
+    from rqlib.book import loaders
+    from rqlib.book.figures.perplexity import _headline_legend_name, headline_figure
+
+    held_out = loaders.held_out_tables(loaders.headline_frame(), "smollm2")
+    fig = headline_figure(held_out, loaders.MODELS["smollm2"])
+    drawn = {
+        _headline_legend_name(row.method, row.kind)
+        for table in held_out.values()
+        for row in table.itertuples()
+    }
+    (legend,) = fig.legends
+    assert {t.get_text() for t in legend.get_texts()} == drawn | {"Pareto front"}
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = [text.get_window_extent(renderer) for text in ax.texts]
+        for i, box in enumerate(boxes):
+            for other in boxes[i + 1 :]:
+                assert not box.overlaps(other), f"{ax.get_title()}: two labels overlap"
+    plt.close(fig)
+
+
+def test_the_score_check_figure_gives_its_noise_a_unit():
+    from rqlib.book.figures.perplexity import score_check_figure
+
+    per_layer = pd.DataFrame(
+        {
+            "method": ["a", "a", "b", "b"],
+            "layer": [0, 1, 0, 1],
+            "slope": [0.9, 0.95, 1.0, 1.0],
+            "noise_var": [1e-3, 2e-3, 3e-3, 4e-3],
+            "attention_kl": [1e-4, 2e-4, 3e-4, 4e-4],
+        }
+    )
+    fig = score_check_figure(per_layer)
+    assert "logit²" in fig.axes[1].get_ylabel() and "nats" in fig.axes[2].get_ylabel()
+    plt.close(fig)

@@ -62,7 +62,7 @@ def score_check_figure(per_layer: pd.DataFrame) -> Figure:
             ax.plot(rows["layer"], rows[column], "o-", ms=3, label=label)
     axes[0].axhline(1.0, color="k", lw=0.8)
     axes[0].set_ylabel("score slope (1 = unbiased)")
-    axes[1].set_ylabel("score noise variance")
+    axes[1].set_ylabel("score noise variance, logit²")
     axes[2].set_ylabel("attention KL, nats")
     for ax in axes[1:]:
         ax.set_yscale("log")
@@ -204,45 +204,72 @@ def _headline_style(method: str, kind: str) -> dict:
     return {"marker": PEER_MARKERS.get(family, "X"), "s": 50, "color": "C3"}
 
 
+def _headline_legend_name(method: str, kind: str) -> str:
+    """The legend entry a point of the headline figure belongs to."""
+    if kind == "rqlib":
+        return "rqlib preset" if method.startswith("preset:") else "plain TurboQuant-MSE"
+    family = method.split(":")[0]
+    return family if family in PEER_MARKERS else "full precision" if method == "fp" else method
+
+
+def _label_offsets(points: list[tuple[float, float]], ax, gap: float = 11.0) -> list[tuple]:
+    """Offsets in points for the labels of ``points`` (data coordinates) on ``ax``: above and
+    to the right, or below when the label would land on the label of a nearby point with about
+    the same height (within ``gap`` points vertically and 70 points horizontally)."""
+    ax.autoscale_view()
+    shown = ax.transData.transform(points) * 72.0 / ax.figure.dpi
+    offsets, placed = [], []
+    for x, y in shown:
+        clash = any(abs(x - px) < 70 and abs(y + 4 - py) < gap for px, py in placed)
+        dy = -11 if clash else 4
+        offsets.append((5, dy))
+        placed.append((x, y + dy))
+    return offsets
+
+
 def headline_figure(tables: Mapping[int, pd.DataFrame], title: str) -> Figure:
     """Mean KL against the stored bits per K+V coordinate, one row of panels per window
     length (``tables``: window -> :func:`rqlib.book.loaders.headline_table`); left what decode
     mode measures, right what one forward per window reports. Black: our caches (stars: the
     presets), red: the peers; the line is the Pareto front of each panel. KL is on a symlog
-    axis so that a cache that reports zero is still drawn."""
+    axis so that a cache that reports zero is still drawn. The legend lists what is drawn, and
+    labels of points at about the same place are moved apart."""
     rows = len(tables)
     fig, grid = plt.subplots(rows, 2, figsize=(12.0, 4.0 * rows), squeeze=False, sharey=True)
+    drawn: dict[str, dict] = {}
     for (window, table), axes in zip(tables.items(), grid):
         for ax, (column, mode) in zip(
             axes, (("kl", "decode mode"), ("prefill_kl", "one forward per window"))
         ):
+            ax.set_yscale("symlog", linthresh=1e-3)
             for row in table.itertuples():
-                ax.scatter(
-                    row.bits_mean, getattr(row, column), **_headline_style(row.method, row.kind)
-                )
+                style = _headline_style(row.method, row.kind)
+                ax.scatter(row.bits_mean, getattr(row, column), **style)
+                drawn.setdefault(_headline_legend_name(row.method, row.kind), style)
+            ordered = table.sort_values(["bits_mean", column])
+            points = list(zip(ordered["bits_mean"], ordered[column]))
+            for row, offset in zip(ordered.itertuples(), _label_offsets(points, ax)):
                 ax.annotate(
                     row.method.removeprefix("preset:"),
                     (row.bits_mean, getattr(row, column)),
                     textcoords="offset points",
-                    xytext=(5, 4),
+                    xytext=offset,
                     fontsize=7,
                 )
             front = pareto_front(table["bits_mean"].tolist(), table[column].tolist())
             picked = table.iloc[front]
             ax.step(picked["bits_mean"], picked[column], where="post", color="C0", lw=1, alpha=0.7)
             ax.set_title(f"{title}, windows of {window}: {mode}", fontsize=10)
-            ax.set_yscale("symlog", linthresh=1e-3)
             ax.set_xlabel("stored bits per K and V coordinate")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("mean KL(fp ‖ cache), nats")
     handles = [
-        plt.Line2D([], [], color="k", marker="*", ms=12, ls="", label="rqlib preset"),
-        plt.Line2D([], [], color="k", marker="o", ls="", label="plain TurboQuant-MSE"),
-    ]
-    handles += [
-        plt.Line2D([], [], color="C3", marker=m, ls="", label=name)
-        for name, m in PEER_MARKERS.items()
-    ]
+        plt.Line2D(
+            [], [], color=style["color"], marker=style["marker"], ms=12 if style["marker"] == "*"
+            else 7, ls="", label=name,
+        )
+        for name, style in drawn.items()
+    ]  # fmt: skip
     handles.append(plt.Line2D([], [], color="C0", label="Pareto front"))
     legend_below(fig, handles=handles, ncol=6)
     return fig
