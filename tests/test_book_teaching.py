@@ -74,3 +74,15 @@ def test_every_chapter_opens_with_objectives_and_prerequisites(path):
     assert match, f"{path.name}: the first cell lacks the objectives admonition"
     assert all(len(part.split()) >= 8 for part in match.groups())
     assert first.index("Learning objectives") < first.index("**Running this chapter.**")
+
+
+#: Phrases that tell the project's own history rather than the subject.
+HISTORY_PHRASES = ("the accuracy work", "before this text was read", "a miss stays a miss")
+
+
+def test_the_book_does_not_tell_its_own_history():
+    sources = [*CHAPTERS, *(ROOT / "book").glob("*.md"), ROOT / "README.md"]
+    for path in sources:
+        text = " ".join(path.read_text().lower().split())
+        found = [phrase for phrase in HISTORY_PHRASES if phrase in text]
+        assert not found, f"{path.name} says {found}"

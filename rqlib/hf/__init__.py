@@ -2,14 +2,18 @@
 
 ::
 
-    from rqlib.hf import compress
-    from rqlib.study.allocation import resolve
+    import rqlib
 
-    config = resolve("preset:rq-3.5", model, tokenizer)   # a budget becomes per-layer bits
-    with compress(model, config, tokenizer=tokenizer) as cache:
+    # one call: a budget (every preset) becomes per-layer bits, then the cache is installed
+    with rqlib.compress(model, "preset:rq-3.5", tokenizer=tokenizer) as cache:
         logits = model(input_ids, cache=cache).logits
         cache.reset()                       # before an unrelated sequence
         model.generate(input_ids, cache=cache, max_new_tokens=20)
+
+:func:`compress` of this package is the same block for a config whose bits are already chosen
+(a spec without ``alloc=``); :func:`rqlib.compress` resolves a budget first, with
+:func:`rqlib.study.allocation.resolve`, which may measure the model (an evaluation: a layer
+above this one).
 
 Integration is only through public extension points: an attention function and a mask
 function registered with ``AttentionInterface`` / ``AttentionMaskInterface`` under the name
