@@ -74,6 +74,8 @@ def kind(command: str) -> str:
         return "sweep"
     if words[:4] == [words[0], "-m", "rqlib", "bench"] and program.startswith("python"):
         return "cheap"  # on a CPU it prints the byte model
+    if words[:4] == [words[0], "-m", "rqlib", "render"] and program.startswith("python"):
+        return "static"  # it renders a run's output; tests/test_book_render.py runs the route
     if words[:4] == [words[0], "-m", "rqlib", "eval"] and program.startswith("python"):
         return "static"  # minutes of evaluation: the chapters and tests run the same code
     raise AssertionError(f"no rule for {command!r}: classify it in tests/test_book_commands.py")
