@@ -12,6 +12,10 @@ Every chapter starts with ``run = Chapter("04_perplexity", globals())`` right af
   ``{glue:figure}`` directive, and ``run.show(name)``, in a cell tagged ``remove-cell`` right
   after, displays it in the notebook too (Jupyter, papermill outputs, ``python -m rqlib
   render``) while the book shows it once, numbered, where the directive stands;
+- the first markdown cell opens, right under the title, with the admonition
+  ``{admonition} Learning objectives and prerequisites`` (``:class: tip``; a paragraph
+  "**After this chapter you can** ..." and one "**Prerequisites:** ...", linking the notation
+  table and the glossary), the pattern ``tests/test_book_teaching.py`` checks;
 - ``run.finish(prov)`` measures the run's wall-clock time and glues the note at the top of the
   chapter (time, device, whether the parameters were the defaults, what the chapter's GPU
   parameter file needs), then saves the results file when ``run_id`` is set.
