@@ -1,7 +1,9 @@
 # The two commands of the README:
 #   make book   set everything up, execute the chapters, build _build/html (strict)
 #   make test   set everything up, lint code and notebooks, run the test suite
-#   make sweep  regenerate the committed sweep of chapter 5 (tens of minutes)
+#   make sweep  regenerate the committed sweep of chapter 5 (see the target)
+#   make slurm-up / slurm-down   a one-node Slurm cluster on this machine (cluster/), for
+#               rqlib sweep --executor slurm; tests/test_slurm.py starts it too
 # Both create .venv when it is missing and reinstall only when pyproject.toml changes.
 
 PYTHON ?= python3
@@ -9,7 +11,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rqlib-installed
 
-.PHONY: setup book test test-seeds lint format clean sweep
+.PHONY: setup book test test-seeds lint format clean sweep slurm-up slurm-down
 
 setup: $(STAMP)
 
@@ -53,13 +55,22 @@ sweep: $(STAMP)
 	git diff --quiet HEAD -- rqlib notebooks params || \
 		{ echo "commit or stash your changes first: runs from a dirty tree are not committed" >&2; exit 2; }
 	rm -rf $(SWEEP_NEW)
-	RQLIB_RESULTS_DIR=$(SWEEP_NEW) $(BIN)/python -m rqlib sweep notebooks/04_perplexity.ipynb $(SWEEP_GRID)
+	$(BIN)/python -m rqlib sweep notebooks/04_perplexity.ipynb $(SWEEP_GRID) --results-dir $(SWEEP_NEW)
 	@dirty="$$(find $(SWEEP_NEW) -name '*.dirty.json' | sort)"; if [ -n "$$dirty" ]; then \
 		echo "the tree changed while the sweep ran: $$(echo "$$dirty" | wc -l) runs are marked dirty, e.g. $$(echo "$$dirty" | head -1)" >&2; \
 		echo "results/04_perplexity is left as it was: commit, then run make sweep again" >&2; exit 2; fi
 	rm -rf results/04_perplexity
 	mv $(SWEEP_NEW)/04_perplexity results/04_perplexity
 	rm -rf $(SWEEP_NEW)
+
+# A one-node Slurm cluster (munged, slurmctld, slurmd) with its files under /tmp/rqlib-slurm;
+# clients need SLURM_CONF=/tmp/rqlib-slurm/slurm.conf (slurm-up prints it). Needs slurm-wlm
+# and munge (apt-get install slurm-wlm munge; .ci/run installs them).
+slurm-up:
+	bash cluster/start.sh
+
+slurm-down:
+	bash cluster/stop.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

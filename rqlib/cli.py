@@ -577,6 +577,13 @@ def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
         "failed; job id, wall time, error) and exit",
     )
     parser.add_argument(
+        "--save-status",
+        type=Path,
+        metavar="FILE",
+        help="with --status: also write the table to FILE (refused if it exists, unless --force)",
+    )
+    parser.add_argument("--force", action="store_true", help="with --save-status: replace FILE")
+    parser.add_argument(
         "--executor",
         choices=["local", "slurm"],
         default="local",
@@ -636,10 +643,19 @@ def _run_sweep(args: argparse.Namespace) -> int:
     if args.status is not None:
         if args.notebook is not None:
             raise UsageError("--status DIR reports a sweep; give it without a notebook")
+        _check_output(args.save_status, args.force)
         with _user_input():
             rows = sweep_status(args.status)
-        print(format_status(rows))
+        table = format_status(rows)
+        print(table)
+        if args.save_status is not None:
+            from rqlib.base.files import atomic_write_text
+
+            atomic_write_text(args.save_status, table + "\n")
+            print(f"wrote {args.save_status}")
         return 0
+    if args.save_status is not None or args.force:
+        raise UsageError("--save-status and --force go with --status DIR")
     if args.notebook is None:
         raise UsageError("give the chapter to sweep (or --status DIR)")
     _at_least("jobs", args.jobs, 1)

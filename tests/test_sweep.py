@@ -165,3 +165,10 @@ def test_sweep_runs_every_combination_and_reports_failures(
     assert executed == sorted(f"{run.run_id}.ipynb" for run in runs.values())
     record = json.loads((tmp_path / "results" / "tiny" / f"{runs['a'].run_id}.json").read_text())
     assert record["parameters"] == {"bits": 5, "method": "a"}
+    # every run's state, read back from the sweep's folder as for a Slurm sweep
+    assert main(["sweep", "--status", str(tmp_path / "results")]) == 0
+    status = capsys.readouterr().out
+    assert status.splitlines()[-1] == "0 queued, 0 running, 2 done, 1 failed"
+    broken = next(line for line in status.splitlines() if line.startswith("method=broken"))
+    assert "failed  local:" in broken
+    assert "RuntimeError: this combination fails on purpose" in broken

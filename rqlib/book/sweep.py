@@ -523,7 +523,7 @@ def _reconcile(record: dict[str, Any], live_jobs: Mapping[str, str]) -> dict[str
             record["state"] = "failed"
             record["error"] = (
                 f"Slurm job {job_id} ended without a result ({how}: cancelled, preempted, "
-                f"out of time or memory); log: {record.get('log') or 'none recorded'}"
+                "out of time or memory; see its log)"
             )
         return record
     pid = record.get("pid")
