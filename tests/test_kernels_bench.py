@@ -1,6 +1,6 @@
 """The benchmark command: its CPU byte model, and its GPU code path run on CPU.
 
-The GPU path (check_on_gpu, time_one_length, sweep_tiles) runs here with the Triton interpreter
+The GPU path (check_on_gpu, time_one_length) runs here with the Triton interpreter
 on tiny shapes and a stand-in for ``triton.testing.do_bench`` that returns a fixed time: this
 checks the code runs and the byte counts add up, never a timing. The decode-cpu benchmark is
 measured, not tested (its numbers are in the fast-path report and chapter 3).
@@ -56,17 +56,11 @@ def test_gpu_code_path_runs_on_cpu(monkeypatch, capsys):
     by_name = {name: nbytes for name, _, nbytes, _ in timings}
     assert by_name["SDPA fp16"] == 2 * 48 * 64 * 2
     stored = 48 * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
-    # (written + read) x 2 heads x 4 lanes x 1 split x ((m, l) of 3 streams + 64 accumulators
-    # of the main stream): the layer has no band and no sink
-    partials = 2 * 2 * 4 * 1 * (3 * 2 + 64) * 4
+    # 1 program (batch 1 x 1 KV head) x DEFAULT_SPLITS splits (the interpreter's) x (written +
+    # read) x 2 rows x ((m, l) of 3 streams + 64 accumulators of the main stream)
+    partials = geo.DEFAULT_SPLITS * 2 * 2 * (3 * 2 + 64) * 4
     assert by_name["attention K, V packed"] == stored + partials
     assert "bit-identical to torch: True" in capsys.readouterr().out
-    rows = bench.sweep_tiles(args, 40, key_qz, value_qz, 0.125, torch.device("cpu"))
-    assert [row[:2] for row in rows] == bench.tile_candidates()
-    # every configuration a launch may tune over, pipelined and wide-tile ones included, is swept
-    assert {config for _, config, *_ in rows} >= set(geo.tuned_configs())
-    # fp16 queries: one rounding of 2^-11 relative, see tests/test_kernels_attention.py
-    assert all(error <= 1e-3 for *_, error in rows)
 
 
 def interpreted(decode_step):

@@ -210,8 +210,6 @@ def run_gpu(args) -> int:
                 f"{share} {sdpa_ms / ms:>7.2f}x"
             )
         torch.cuda.empty_cache()
-    if args.sweep_tiles:
-        sweep_tiles(args, max(args.kv_lens), key_qz, value_qz, scale, device)
     print(
         "\nMB read counts the bytes each kernel must read at least (stored cache + partial "
         "results); GB/s = MB read / time. The target: 'attention K, V packed' >= 2.5x SDPA at "
@@ -222,21 +220,16 @@ def run_gpu(args) -> int:
 
 def partial_bytes(layer, q_heads: int, batch: int, value_width: int, device) -> int:
     """Bytes of the attention's partial results in a decode step, written once and read back
-    once, with the splits and lanes the launch chooses on ``device``
-    (:func:`rqlib.kernels.launch.split_plan`, :func:`rqlib.kernels.limits.lanes`): every
-    split's, and the accumulators of the band and the sink where the layer has them."""
+    once, with the splits the launch chooses on ``device``
+    (:func:`rqlib.kernels.launch.split_plan`)."""
     from rqlib.kernels.launch import split_plan
 
     state = layer.state()
-    block = geo.accumulator_width(value_width)
-    rows = q_heads // state.keys.rings[0].heads  # one query token: the GQA group
-    lanes = geo.lanes(rows)
+    kv_heads = state.keys.rings[0].heads
+    rows = q_heads // kv_heads  # one query token: the GQA group
     span = state.end - state.first
-    splits, _ = split_plan(state, span, batch, rows, lanes, block, torch.device(device), None)
-    per_step = splits * geo.partial_bytes(rows, block, lanes)
-    streams = (state.band_keys is not None) + (state.n_sink > 0)
-    per_step += streams * geo.stream_partial_bytes(rows, block, lanes)
-    return batch * state.keys.rings[0].heads * per_step
+    splits, _ = split_plan(span, batch * kv_heads, torch.device(device), None)
+    return batch * kv_heads * splits * geo.partial_bytes(rows, geo.accumulator_width(value_width))
 
 
 def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
@@ -284,79 +277,6 @@ def time_one_length(args, kv_len: int, key_qz, value_qz, scale: float, device):
         sdpa_ms = results[0][1] if results else ms
         results.append((name, ms, nbytes, sdpa_ms))
     return results
-
-
-def tile_candidates() -> list[tuple[int, geo.AttentionConfig]]:
-    """``(CHUNK, configuration)`` candidates of the tile sweep, the defaults first: every
-    configuration a launch may tune over (``limits.tuned_configs()``: warps, the scores on
-    tensor cores or not, the values' centroids in pairs or not, software-pipelined or not, keys
-    per tile), then other chunks and tiles in the first configuration and the one that fits
-    every format. CHUNK 0 takes ``limits.attention_chunk``'s choice for the accumulator width;
-    every block dimension stays >= 16 for ``tl.dot``."""
-    first, fallback = geo.ATTENTION_CONFIGS[0], geo.ATTENTION_CONFIGS[-1]
-    defaults = [(0, config) for config in geo.tuned_configs()]
-    return defaults + [
-        (16, first),
-        (32, fallback),
-        (0, dataclasses.replace(first, block_s=32)),
-        (16, dataclasses.replace(fallback, block_s=64)),
-    ]
-
-
-def sweep_tiles(args, kv_len: int, key_qz, value_qz, scale: float, device) -> list[tuple]:
-    """Time the packed-K/V attention for each :func:`tile_candidates` entry, checking each is
-    correct.
-    Candidates other than the defaults are compiled just in time and may spill registers
-    (``tests/test_kernels_aot.py`` checks the defaults); each runs in its configuration alone,
-    with no fallback to another.
-
-    Returns (CHUNK, configuration, milliseconds, relative error vs torch) per candidate.
-    """
-    import triton.testing
-
-    from rqlib.kernels import launch
-
-    batch, kv_heads, d = args.batch, args.kv_heads, args.head_dim
-    q_heads = kv_heads * args.group
-    k = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
-    v = torch.randn(batch, kv_heads, kv_len, d, device=device, dtype=torch.float16)
-    q = torch.randn(batch, q_heads, 1, d, device=device, dtype=torch.float16)
-    layer = decode_layer(key_qz, value_qz, k, v, n_sink=0, band=0)
-    small = decode_layer(key_qz, value_qz, k[:, :, :777], v[:, :, :777], n_sink=0, band=0)
-    expected = decode_step(small, q, scale, "torch")
-    nbytes = batch * kv_heads * kv_len * (key_qz.bits_per_vector + value_qz.bits_per_vector) // 8
-    defaults = (
-        dict(geo.ATTENTION_CHUNKS),
-        geo.ATTENTION_CONFIGS,
-        geo.PIPELINED_CONFIGS,
-        geo.WIDE_TILE_CONFIGS,
-    )
-    print(f"\ntile sweep, attention K, V packed, kv_len {kv_len} (CHUNK 0: {defaults[0]})")
-    print(
-        f"{'BLOCK_S':>7} {'CHUNK':>5} {'warps':>5} {'scores':>7} {'values':>7} {'stages':>6} "
-        f"{'time us':>9} {'GB/s':>7} {'rel err':>8}"
-    )
-    rows = []
-    try:
-        for chunk, config in tile_candidates():
-            geo.ATTENTION_CONFIGS, geo.PIPELINED_CONFIGS, geo.WIDE_TILE_CONFIGS = (config,), (), ()
-            geo.ATTENTION_CHUNKS = {b: chunk or defaults[0][b] for b in defaults[0]}
-            launch.reset_tuning()
-            got = decode_step(small, q, scale)
-            error = float((got - expected).abs().max() / expected.abs().max())
-            ms = triton.testing.do_bench(lambda: decode_step(layer, q, scale), warmup=25, rep=100)
-            where = "tensor" if config.score_tensor_cores else "CUDA"
-            values = "pairs" if config.value_pairs else "single"
-            print(
-                f"{config.block_s:>7} {chunk:>5} {config.num_warps:>5} {where:>7} {values:>7} "
-                f"{config.num_stages:>6} {ms * 1e3:>9.1f} {nbytes / ms / 1e6:>7.0f} {error:>8.1e}"
-            )
-            rows.append((chunk, config, ms, error))
-    finally:
-        geo.ATTENTION_CHUNKS = defaults[0]
-        geo.ATTENTION_CONFIGS, geo.PIPELINED_CONFIGS, geo.WIDE_TILE_CONFIGS = defaults[1:]
-        launch.reset_tuning()
-    return rows
 
 
 # --------------------------------------------------------------------------------------------
