@@ -601,7 +601,7 @@ def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FLAG",
-        help="an extra sbatch option, --name=value or --name (repeat for more)",
+        help="an extra sbatch option, name=value or name (e.g. qos=high; repeat for more)",
     )
     slurm.add_argument(
         "--slurm-config",

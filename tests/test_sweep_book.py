@@ -58,7 +58,8 @@ def test_the_readme_sweep_writes_elsewhere_and_chapter_5_draws_either(tmp_path, 
     words = readme_sweep()
     grid_start = words.index("-p")
     tiny = [*words[1:grid_start], "-p", "key_bits", "2"]  # the README's file, one bit width
-    methods = words[words.index("method") + 1 :]
+    after = words[words.index("method") + 1 :]
+    methods = after[: next((i for i, w in enumerate(after) if w.startswith("-")), len(after))]
     tiny += ["-p", "method", *methods, "-p", "tokens", "64", "-p", "window", "64"]
     sweep = tmp_path / "sweep"
     before = committed_files()

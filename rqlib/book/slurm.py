@@ -21,6 +21,7 @@ until each has ended, with a progress bar.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,7 @@ class SlurmOptions:
     ``config`` names a YAML file of ``submitit.SlurmExecutor`` parameters (``partition``,
     ``time``, ``mem``, ``gpus_per_node``, ``additional_parameters``, ``setup``...), read
     first; the other fields override it. ``sbatch_flags`` are extra ``sbatch`` options, each
-    ``--name=value`` or ``--name``.
+    ``name=value`` or ``name`` (``qos=high``, ``exclusive``).
     """
 
     partition: str | None = None
@@ -97,12 +98,13 @@ def _config_parameters(path: Path | None) -> dict[str, Any]:
 
 
 def _flag_parameters(flags: tuple[str, ...]) -> dict[str, Any]:
-    """``("--qos=high", "--exclusive")`` -> ``{"qos": "high", "exclusive": True}``."""
+    """``("qos=high", "--exclusive")`` -> ``{"qos": "high", "exclusive": True}`` (the leading
+    dashes of an ``sbatch`` option are optional)."""
     parameters: dict[str, Any] = {}
     for flag in flags:
-        if not flag.startswith("--") or len(flag) < 3 or " " in flag:
-            raise ValueError(f"sbatch flag {flag!r} must read --name=value or --name")
-        name, _, value = flag[2:].partition("=")
+        name, _, value = flag.removeprefix("--").partition("=")
+        if not re.fullmatch(r"[a-z][a-z0-9-]*", name):
+            raise ValueError(f"sbatch flag {flag!r} must read name=value or name (e.g. qos=high)")
         parameters[name] = value if value else True
     return parameters
 

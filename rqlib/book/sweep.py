@@ -521,10 +521,7 @@ def _reconcile(record: dict[str, Any], live_jobs: Mapping[str, str]) -> dict[str
         else:  # ended (CANCELLED, FAILED, TIMEOUT...; or no longer listed) without a result
             how = queue_state or "no longer in the queue"
             record["state"] = "failed"
-            record["error"] = (
-                f"Slurm job {job_id} ended without a result ({how}: cancelled, preempted, "
-                "out of time or memory; see its log)"
-            )
+            record["error"] = f"Slurm job {job_id} ended without a result ({how}; see its log)"
         return record
     pid = record.get("pid")
     if state == "running" and isinstance(pid, int) and record.get("host") == socket.gethostname():
