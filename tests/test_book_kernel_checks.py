@@ -38,37 +38,25 @@ def test_the_attention_check_sees_a_kernel_off_by_a_part_in_ten_thousand(monkeyp
     assert attention["prompt"] > bound and attention["decode"] > bound
 
 
-def test_the_lanes_check_passes_and_sees_one_lane_off(monkeypatch, rng):
-    """A decode step in 1, 2 and 4 lanes agrees with the float64 reference; a kernel whose
-    4-lane output is off by a part in ten thousand fails the check."""
-    seed = int(torch.randint(0, 1000, (1,), generator=rng))
-    found = kernel_checks.lanes_check(64, 3, 2, 3, seed, "cpu")
-    bound = kernel_checks.tolerance("cpu")
-    assert all(found[lanes] <= bound for lanes in (1, 2, 4))
-    assert found["spread"] <= bound and found["default"] == 4
-    real = kernels.attention
+def test_the_split_examples_cut_whole_tiles_and_do_not_grow_with_the_context():
+    """A decode step's number of splits depends on the programs and the SMs, not on the
+    context; each split is whole key tiles, and the splits cover the keys."""
+    from rqlib.kernels import limits as geo
 
-    def off_in_four_lanes(*args, **kwargs):
-        return real(*args, **kwargs) * (1 + 1e-4 * (kwargs.get("lanes") == 4))
-
-    monkeypatch.setattr(kernels, "attention", off_in_four_lanes)
-    found = kernel_checks.lanes_check(64, 3, 2, 3, seed, "cpu")
-    assert found[4] > bound and found["spread"] > bound and found[1] <= bound
-
-
-@pytest.mark.parametrize("lanes", [1, 2, 4])
-def test_the_lane_map_keeps_the_columns_of_each_lane(lanes):
-    """Row i of a tile keeps (own_lane) and weights back (spread_lane) exactly the columns of
-    its lane, the keys lane_range gives it (the masks read these): lane i % lanes."""
-    found = kernel_checks.lane_map(lanes, "cpu")
-    read, keys = found["read"], found["keys"]
-    width = read.shape[1] // lanes
-    for i, row in enumerate(read):
-        lane = i % lanes
-        columns = torch.arange(lane * width, (lane + 1) * width)
-        assert torch.equal(keys[i], columns.int())
-        assert torch.equal(torch.nonzero(row).flatten(), columns)
-        assert torch.equal(row[columns], columns.int() + 1)
+    found = kernel_checks.split_examples()
+    for length, splits, partition in (
+        (found["example_long"], found["example_splits"], found["example_long_partition"]),
+        (found["example_short"], found["example_splits"], found["example_short_partition"]),
+        (found["example_long"], found["example_batch_splits"], found["example_batch_partition"]),
+    ):
+        assert partition % geo.ATTENTION_BLOCK_S == 0 and splits * partition >= length
+        assert (splits - 1) * partition < length + geo.ATTENTION_BLOCK_S * splits
+    assert 1 <= found["example_batch_splits"] <= found["example_splits"] <= geo.MAX_SPLITS
+    # programs x splits fill SPLIT_WAVES waves of the SMs, unless MAX_SPLITS caps them
+    programs = found["example_kv_heads"]
+    assert programs * found["example_splits"] >= min(
+        geo.SPLIT_WAVES * found["example_sms"], programs * geo.MAX_SPLITS
+    )
 
 
 def test_benchmark_arguments_are_the_cli_defaults_with_the_chapter_values():

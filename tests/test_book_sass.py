@@ -4,17 +4,16 @@ The listing parser and the loop count are checked on a hand-written listing whos
 known. The compiled count is checked against what the tile must do. The weighted values are two
 fp16 tensor-core products (``split_dot``), ``HMMA.16816`` (16 x 8 x 16 multiply-adds) blocks of
 the tile, which the warps share without repeating one another. The scores of BLOCK_ROWS rows and
-BLOCK_S keys are two more tensor-core products in the first configuration (a tile of 16 x 16
-scores has fewer blocks than a block has warps to spread them over, so a warp may repeat
+BLOCK_S keys are two more tensor-core products in the tensor-core configuration (a tile of
+16 x 16 scores has fewer blocks than a block has warps to spread them over, so a warp may repeat
 another's, but none does more than the whole tile), or IEEE fp32 ``tl.dot`` products on the CUDA
-cores in the other, which ptxas turns into one FFMA per product and thread. A count that missed
+cores in the other (head dimension 256), which ptxas turns into one FFMA per product and
+thread. A count that missed
 the trips of the loop over the coordinates (the scores' chunks) finds far fewer, and the test
 shows that it fails.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
@@ -69,7 +68,8 @@ def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     # products on the CUDA cores take head_dim a pair (64 or 256 here)
     softmax = 12 * max(1, geo.BLOCK_ROWS * count.keys // threads)
     hmma, ffma = count.per_tile.get("HMMA", 0), count.per_tile.get("FFMA", 0)
-    print(f"head_dim {head_dim}, configuration {count.config}: {ffma} FFMA, {hmma} HMMA a tile")
+    where = "tensor cores" if count.score_tensor_cores else "CUDA cores"
+    print(f"head_dim {head_dim}, scores on {where}: {ffma} FFMA, {hmma} HMMA a tile")
     if count.score_tensor_cores:
         scores = blocks(head_dim)
         assert values + scores // count.warps <= hmma <= values + scores
@@ -97,22 +97,16 @@ def test_the_count_finds_the_multiply_adds_of_the_tile(head_dim):
     assert by_class["tensor-core products (HMMA)"] == pytest.approx(hmma * count.warps / count.keys)
 
 
-def test_a_decode_step_in_the_presets_format_runs_two_warps_on_tensor_cores():
-    """At head dimensions 64 and 128, a decode step in the presets' format (3-bit keys, 2-bit
-    values, a band of 8-bit codes, 11-bit norms) of a group of 4 query heads fits the first
-    configuration, two warps with the scores on tensor cores and the values' centroids in
-    pairs, in 4 lanes, without spilling, on sm_80 and sm_90; and it issues fewer instructions
-    per key than in one lane, where the first configuration that fits has more warps."""
-    for arch in (80, 90):
-        for head_dim in (64, 128):
-            count = sass.compile_decode_path(arch, head_dim, 3, 2, 11, rows=4)
-            config = geo.ATTENTION_CONFIGS[count.config]
-            assert count.config == 0 and count.lanes == 4, (arch, head_dim)
-            assert config.score_tensor_cores and count.score_tensor_cores and config.value_pairs
-            assert count.warps == config.num_warps == 2
-    one_lane = sass.compile_decode_path(90, 128, 3, 2, 11, rows=16)
-    assert one_lane.lanes == 1 and one_lane.warps > count.warps
-    assert count.warp_instructions_per_key < one_lane.warp_instructions_per_key
+@pytest.mark.parametrize(("arch", "head_dim"), [(80, 64), (90, 128)])
+def test_a_decode_step_in_the_presets_format_runs_in_the_tensor_core_configuration(arch, head_dim):
+    """A decode step in the presets' format (3-bit keys, 2-bit values, a band of 8-bit codes,
+    11-bit norms) compiles in ``limits.ATTENTION_CONFIG``: its warps, its scores on tensor
+    cores, its key tile."""
+    count = sass.compile_decode_path(arch, head_dim, 3, 2, 11)
+    config = geo.ATTENTION_CONFIG
+    assert count.score_tensor_cores and config.score_tensor_cores
+    assert (count.warps, count.keys) == (config.num_warps, config.block_s)
+    assert count.warp_instructions_per_key > 0
 
 
 def test_issue_budget():
@@ -128,10 +122,8 @@ def test_issue_summary_of_a_known_count():
     count = sass.IssueCount({"FFMA": 320, "IMAD": 160, "LDG": 160}, keys=16, warps=8, trips=1)
     hardware = dict(hbm_gbs=2000, sm_count=132, clock_ghz=2)
     summary = sass.issue_summary(count, 100, 500, rows=4, head_dim=128, **hardware)
-    in_lanes = sass.issue_summary(
-        dataclasses.replace(count, lanes=2), 100, 500, rows=4, head_dim=128, **hardware
-    )
-    assert in_lanes["padding_share"] == 0.5 * 8 / 16  # 4 rows twice: 8 of 16 rows hold none
+    more_rows = sass.issue_summary(count, 100, 500, rows=8, head_dim=128, **hardware)
+    assert more_rows["padding_share"] == 0.5 * 8 / 16  # 8 rows: 8 of 16 rows hold none
     assert summary["per_key"] == 320
     assert summary["budget_packed"] == pytest.approx(52.8)  # see test_issue_budget
     assert summary["budget_fp16"] == pytest.approx(5 * 52.8)

@@ -26,26 +26,38 @@ from pathlib import Path
 import pandas as pd
 
 __all__ = [
+    "CALL",
+    "KERNELS_ALONE",
     "KERNEL_PATH",
+    "SDPA",
     "Choice",
     "Measurement",
     "choose",
+    "findings",
+    "geometry_phrase",
+    "host_sentence",
     "kernel_unchanged",
+    "kernels_alone",
     "load_all",
     "parse_json",
     "parse_text",
     "per_step",
+    "side_by_side",
 ]
 
 #: The files whose content decides whether a timing still describes the kernel.
 KERNEL_PATH = "rqlib/kernels"
 #: The columns of :attr:`Measurement.timings`.
 TIMING_COLUMNS = ("batch", "kv_len", "kernel", "time_us", "mb_read")
-#: Names of the kernels in a ``bench gpu`` report's ``kernels`` step: (column, MB column).
+#: The kernels the chapter compares, by their names in the measurement files: fp16 SDPA, the
+#: whole attention call over packed keys and values, and its two kernels alone.
+SDPA, CALL = "SDPA fp16", "attention K, V packed"
+KERNELS_ALONE = "attention + reduce kernels alone"
+#: Their columns in a ``bench gpu`` report's ``kernels`` step: (time, megabytes read).
 JSON_KERNELS = {
-    "SDPA fp16": ("sdpa_us", "fp16_mb"),
-    "attention K, V packed": ("call_us", "packed_mb"),
-    "attention + reduce kernels alone": ("kernels_us", "packed_mb"),
+    SDPA: ("sdpa_us", "fp16_mb"),
+    CALL: ("call_us", "packed_mb"),
+    KERNELS_ALONE: ("kernels_us", "packed_mb"),
 }
 
 
@@ -311,3 +323,127 @@ def choose(measurements: list[Measurement], repo: Path | str) -> Choice:
         f"{where}, before the changes that made the present kernel: {why}."
     )
     return Choice(chosen, False, sentence)
+
+
+# ---- the models next to the measurement ------------------------------------------------------
+
+
+def geometry_phrase(measurement: Measurement) -> str:
+    """What was timed, in words (from the file's own description)."""
+    g = measurement.geometry
+    heads = f"{g['q_heads']} query heads over {g['kv_heads']} KV heads" if "q_heads" in g else ""
+    parts = [heads, f"head dimension {g['head_dim']}" if "head_dim" in g else ""]
+    if "keys" in g:
+        parts.append(f"keys {g['keys']} bits, values {g['values']} bits")
+    if "spec" in g:
+        parts.append(f"keys and values stored as `{g['spec']}`")
+    described = ", ".join(part for part in parts if part)
+    return described or "a geometry the file does not record"
+
+
+def kernels_alone(measurement: Measurement, kv_len: int, batch: int) -> float:
+    """GPU time (µs) of the attention and reduce kernels of one decode step, from a timing
+    row or a profile; NaN when the file has neither."""
+    t = measurement.timings
+    row = t[(t.kernel == KERNELS_ALONE) & (t.kv_len == kv_len) & (t.batch == batch)]
+    if len(row):
+        return float(row.time_us.iloc[0])
+    p = measurement.profile
+    if len(p):
+        step = p[(p.kv_len == kv_len) & (p.batch == batch)]
+        if len(step):
+            return float(step.attention_kernel_us.iloc[0] + step.reduce_kernel_us.iloc[0])
+    return float("nan")
+
+
+def side_by_side(
+    measurement: Measurement, peak_gbps: float, issue_ns_per_key: float, batch: int = 1
+) -> pd.DataFrame:
+    """One row per context length timed at ``batch``: the byte model (the megabytes each call
+    must read, at ``peak_gbps``) and the instruction model (``issue_ns_per_key`` per key and KV
+    head) of the packed cache, then what was measured: its kernels alone, the whole call, and
+    fp16 SDPA with its own byte model. Times in µs."""
+    t = measurement.timings[measurement.timings.batch == batch]
+    kv_heads = measurement.geometry.get("kv_heads")
+    rows = []
+    for kv_len in sorted(t.kv_len.unique()):
+        at = t[t.kv_len == kv_len].set_index("kernel")
+        if CALL not in at.index or SDPA not in at.index:
+            continue
+        issue = issue_ns_per_key * kv_len * kv_heads * batch / 1e3 if kv_heads else float("nan")
+        rows.append(
+            {
+                "kv_len": int(kv_len),
+                "byte model, packed": 1e3 * at.loc[CALL, "mb_read"] / peak_gbps,
+                "instruction model": issue,
+                "kernels alone": kernels_alone(measurement, int(kv_len), batch),
+                "whole call": at.loc[CALL, "time_us"],
+                "byte model, fp16": 1e3 * at.loc[SDPA, "mb_read"] / peak_gbps,
+                "SDPA fp16": at.loc[SDPA, "time_us"],
+            }
+        )
+    if not rows:
+        raise LookupError(
+            f"{measurement.source}: no {CALL!r} and {SDPA!r} timings at batch {batch}"
+        )
+    return pd.DataFrame(rows)
+
+
+def host_sentence(measurement: Measurement, kv_len: int, batch: int = 1) -> str:
+    """What the measurement says of the work around the kernels of one decode step."""
+    p = measurement.profile
+    step = p[(p.kv_len == kv_len) & (p.batch == batch)] if len(p) else p
+    if len(step):
+        s = step.iloc[0]
+        return (
+            f"Profiled with `torch.profiler`, one step took {s.wall_us:.0f} µs on the host's "
+            f"clock, of which the GPU computed for {s.gpu_us:.0f} µs ({s.attention_kernel_us:.0f}"
+            f" µs in the attention kernel, {s.reduce_kernel_us:.0f} µs in the reduce); around "
+            f"them the host launched {s.launches:.0f} kernels, waited for the device "
+            f"{s.syncs:.0f} times (`cudaStreamSynchronize`), copied {s.copies:.0f} pageable "
+            f"buffers to it and filled {s.fills:.0f} small tensors (`aten::fill_`), every step"
+        )
+    t = measurement.timings
+    call = t[(t.kernel == CALL) & (t.kv_len == kv_len) & (t.batch == batch)]
+    alone = kernels_alone(measurement, kv_len, batch)
+    if len(call) and alone == alone:
+        total = float(call.time_us.iloc[0])
+        return (
+            f"The whole call took {total:.0f} µs and its two kernels {alone:.0f} µs of GPU "
+            f"time: the other {total - alone:.0f} µs are the host's work around them (launches, "
+            "copies, synchronizations)"
+        )
+    return (
+        "This measurement has no profile of a step, so it does not say how much of the call "
+        "the host's work takes"
+    )
+
+
+def findings(measurement: Measurement, table: pd.DataFrame, kv_len: int = 32768) -> dict:
+    """The chapter's glue values from :func:`side_by_side` ``table`` (batch 1) at ``kv_len``
+    (the longest context timed when ``kv_len`` was not): the models and the measured times in
+    µs, their ratios, the bandwidth the kernels alone achieve, and the file's description."""
+    if kv_len not in set(table.kv_len):
+        kv_len = int(table.kv_len.max())
+    at = table.set_index("kv_len").loc[kv_len]
+    t = measurement.timings
+    call = t[(t.kernel == CALL) & (t.kv_len == kv_len) & (t.batch == 1)]
+    kernels = float(at["kernels alone"])
+    numbers = {
+        "gpu_source": measurement.source,
+        "gpu_geometry": geometry_phrase(measurement),
+        "gpu_len": int(kv_len),
+        "gpu_byte_model_us": at["byte model, packed"],
+        "gpu_issue_model_us": at["instruction model"],
+        "gpu_kernels_us": kernels,
+        "gpu_call_us": at["whole call"],
+        "gpu_fp16_model_us": at["byte model, fp16"],
+        "gpu_sdpa_us": at["SDPA fp16"],
+        "gpu_call_vs_sdpa": at["whole call"] / at["SDPA fp16"],
+        "gpu_kernels_vs_sdpa": kernels / at["SDPA fp16"],
+        "gpu_kernels_vs_model": kernels / at["byte model, packed"],
+        "gpu_call_vs_kernels": at["whole call"] / kernels,
+        "gpu_kernels_gbps": 1e3 * float(call.mb_read.iloc[0]) / kernels,
+        "gpu_host": host_sentence(measurement, kv_len),
+    }
+    return {k: v if isinstance(v, (str, int)) else float(v) for k, v in numbers.items()}

@@ -13,11 +13,10 @@ codebook rounded to fp16, :mod:`rqlib.kernels.numerics`), and reports how far th
 the float32 codebook's attention too. :func:`split_dot_check` measures the kernel's tensor-core
 products (``split_dot``) against float64, next to a single fp16 product, and
 :func:`centroid_pairs_check` the centroids the attention kernel reads through a table of
-centroid pairs (``triton_common.code_centroids``) against the codebook. :func:`lanes_check` runs
-a decode step with its key tiles cut into 1, 2 and 4 lanes, and :func:`lane_map` draws which
-pairs of a tile each lane reads, from the kernel's own helpers. On a CPU every check
+centroid pairs (``triton_common.code_centroids``) against the codebook. On a CPU every check
 runs the kernels in the interpreter, which multiplies fp16 inputs exactly, as a tensor core
-does.
+does. :func:`register_report` compiles the decode step of the presets' format for sm_90 and
+sm_80 and reads its registers, spills and occupancy.
 :func:`byte_table` is the byte-count model of ``rqlib.study.bench`` for several key bit widths;
 :func:`benchmark` times the kernels on a GPU.
 
@@ -38,11 +37,10 @@ import triton
 import triton.language as tl
 
 from rqlib import kernels
-from rqlib.book.checks import either, relative_error
+from rqlib.book.checks import relative_error
 from rqlib.core.packing import pack_bits
 from rqlib.core.quantizers import make_quantizer
 from rqlib.kernels import numerics, reference
-from rqlib.kernels.triton_attention import lane_range, own_lane, spread_lane
 from rqlib.kernels.triton_common import code_centroids, fp16_parts, split_dot
 from rqlib.study import bench
 
@@ -54,12 +52,10 @@ __all__ = [
     "benchmark",
     "byte_table",
     "attention_check",
+    "attention_sources",
     "centroid_pairs_check",
     "fp16_products",
     "gather_centroids",
-    "lane_map",
-    "lanes_check",
-    "lanes_numbers",
     "register_report",
     "scores_check",
     "split_dot_bound",
@@ -123,8 +119,11 @@ def bench_arguments(
         value_bits=value_bits,
         hbm_gbps=hbm_gbps,
         cpu=False,
-        sweep_tiles=False,
-        # the decode-cpu arguments, at their defaults
+        # the gpu and decode-cpu arguments, at their defaults
+        out=None,
+        only=None,
+        batches=None,
+        prompt=None,
         model="smollm2-135m",
         context=1024,
         steps=32,
@@ -140,41 +139,30 @@ H100_SMS = 132
 
 
 def split_examples(
-    *,
-    head_dim: int = 128,
-    kv_heads: int = 8,
-    group: int = 4,
-    bits: int = 3,
-    long: int = 32768,
-    short: int = 4096,
-    batch: int = 8,
+    *, kv_heads: int = 8, long: int = 32768, short: int = 4096, batch: int = 8
 ) -> dict:
-    """How a decode step over ``bits``-bit keys and values (MSE codes, 11-bit norms) of a model
-    with Llama-3-8B's geometry (the defaults) is split on an H100
-    (:func:`rqlib.kernels.limits.decode_splits`): glue values ``example_*``, ``split_waves`` and
-    ``max_partial_share_pct``."""
+    """How a decode step of a model with ``kv_heads`` KV heads (Llama-3-8B's 8 by default) is
+    split on an H100 (:func:`rqlib.kernels.limits.decode_splits`, whole tiles of
+    :func:`rqlib.kernels.limits.split_partition`), for one sequence at ``long`` and ``short``
+    tokens and a batch of ``batch`` at ``long``: glue values ``example_*``, ``split_waves``,
+    ``max_splits`` and ``default_splits`` (the interpreter's, which has no SM count)."""
     from rqlib.kernels import limits as geo
 
-    quantizer = make_quantizer("turboquant-mse", head_dim, bits, norm_mantissa_bits=6)
-    key_bytes = 2 * quantizer.bits_per_vector / 8  # K and V per key position and KV head
-    partial = geo.partial_bytes(group, geo.accumulator_width(head_dim), geo.lanes(group))
-
-    def plan(span: int, sequences: int) -> tuple[int, int]:
-        return geo.decode_splits(span, sequences * kv_heads, H100_SMS, partial, key_bytes)
-
-    (long_splits, long_partition), (short_splits, short_partition) = plan(long, 1), plan(short, 1)
+    one, many = (geo.decode_splits(n * kv_heads, H100_SMS) for n in (1, batch))
     return {
         "split_waves": geo.SPLIT_WAVES,
-        "max_partial_share_pct": 100 * geo.MAX_PARTIAL_SHARE,
+        "max_splits": geo.MAX_SPLITS,
+        "default_splits": geo.DEFAULT_SPLITS,
         "example_sms": H100_SMS,
+        "example_kv_heads": kv_heads,
         "example_long": long,
         "example_short": short,
         "example_batch": batch,
-        "example_long_splits": long_splits,
-        "example_long_partition": long_partition,
-        "example_short_splits": short_splits,
-        "example_short_partition": short_partition,
-        "example_batch_splits": plan(long, batch)[0],
+        "example_splits": one,
+        "example_long_partition": geo.split_partition(long, one),
+        "example_short_partition": geo.split_partition(short, one),
+        "example_batch_splits": many,
+        "example_batch_partition": geo.split_partition(long, many),
     }
 
 
@@ -287,159 +275,42 @@ def attention_check(
     return {**errors, "splits": math.ceil(s.decode_kv_len / s.partition), "seconds": seconds}
 
 
-def lanes_check(
-    head_dim: int, bits: int, value_bits: int, group: int, seed: int, device: str
-) -> dict:
-    """One decode step of the layer of :func:`attention_check` (a query token per head, so a
-    block of ``group`` rows) with the key tiles cut into each number of lanes the kernel
-    takes (:func:`rqlib.kernels.limits.lanes` picks one): ``{lanes: error}`` against the
-    float64 reference read with the kernel's codebook, and ``"spread"``, the largest
-    difference between two of them relative to the largest output."""
-    from rqlib.kernels import limits as geo
-    from rqlib.kernels.state import CausalMask
-
-    s = IRREGULAR
-    generator = torch.Generator().manual_seed(seed + 2)
-    state, _, _ = _check_layer(head_dim, bits, value_bits, seed, device, generator)
-    scale = head_dim**-0.5
-    q = _gaussian(generator, device, s.batch, s.kv_heads * group, 1, head_dim)
-    mask = CausalMask(s.batch, state.end - 1, 1, 0, state.end)
-    step = dataclasses.replace(state, start=state.end - 1)
-    expected = reference.attention(
-        numerics.on_kernel_codebook(step), q.double(), mask, scale=scale, dtype=torch.float64
-    )
-    outputs, errors = {}, {}
-    for lanes in range(1, geo.MAX_LANES + 1):
-        if lanes & (lanes - 1):
-            continue
-        outputs[lanes] = kernels.attention(
-            step, q, mask, scale=scale, backend="triton", partition=s.partition, lanes=lanes
-        )
-        errors[lanes] = relative_error(outputs[lanes], expected)
-    spread = max(relative_error(a, b) for a in outputs.values() for b in outputs.values())
-    return {**errors, "spread": spread, "default": geo.lanes(group)}
-
-
-@triton.jit
-def _lane_map_kernel(out_ptr, ROWS: tl.constexpr, KEYS: tl.constexpr, LANES: tl.constexpr):
-    rows, columns = tl.arange(0, ROWS), tl.arange(0, KEYS)
-    lane = rows % LANES
-    every = columns[None, :] + 1 + 0 * rows[:, None]  # [ROWS, KEYS]: each tile column, from 1
-    own = own_lane(every, lane, LANES, KEYS // LANES)
-    keys, _ = lane_range(0, lane, 0, KEYS, KEYS // LANES)
-    tl.store(
-        out_ptr + rows[:, None] * KEYS + columns[None, :],
-        spread_lane(own, lane, LANES, KEYS // LANES),
-    )
-    tl.store(
-        out_ptr
-        + ROWS * KEYS
-        + rows[:, None] * (KEYS // LANES)
-        + tl.arange(0, KEYS // LANES)[None, :],
-        keys,
-    )
-
-
-def lane_map(lanes: int, device: str) -> dict[str, torch.Tensor]:
-    """Which pairs of a key tile (``BLOCK_ROWS`` rows, ``ATTENTION_BLOCK_S`` keys) the
-    attention kernel's softmax reads in ``lanes`` lanes, from its own helpers in one program:
-    ``"read"``, ``[rows, keys]``, the tile column + 1 where ``own_lane`` keeps a score and
-    ``spread_lane`` puts its weight back, 0 where the product is computed and dropped; and
-    ``"keys"``, ``[rows, keys / lanes]``, the keys of a tile starting at key 0 that
-    ``lane_range`` gives each row (the masks read these)."""
-    from rqlib.kernels import limits as geo
-
-    rows, keys = geo.BLOCK_ROWS, geo.ATTENTION_BLOCK_S
-    out = torch.full((rows * keys + rows * keys // lanes,), -1, dtype=torch.int32, device=device)
-    _lane_map_kernel[(1,)](out, rows, keys, lanes)
-    out = out.cpu()
-    read, keys = out[: rows * keys].reshape(rows, keys), out[rows * keys :].reshape(rows, -1)
-    kept = [sorted(int(column) - 1 for column in row if column > 0) for row in read]
-    return {"read": read, "keys": keys, "consistent": kept == keys.tolist()}
-
-
-def lanes_numbers(group: int) -> dict:
-    """What the chapter says of the lanes of a decode step of ``group`` query rows
-    (:func:`rqlib.kernels.limits.lanes`), as glue values: ``lanes_default`` lanes,
-    ``lanes_used_rows`` rows of a tile holding a query, ``lanes_keys`` keys a lane reads of a
-    tile, the blocks of rows that take ``max_lanes`` lanes (``lanes_four_rows`` rows at most)
-    and two (``lanes_two_rows``), and ``lanes_phrase``, every number of lanes a launch takes."""
-    from rqlib.kernels import aot
-    from rqlib.kernels import limits as geo
-
-    lanes = geo.lanes(group)
-    return {
-        "lanes_group": group,
-        "lanes_default": lanes,
-        "lanes_used_rows": min(geo.BLOCK_ROWS, group * lanes),
-        "lanes_keys": geo.ATTENTION_BLOCK_S // lanes,
-        "max_lanes": geo.MAX_LANES,
-        "lanes_four_rows": max(r for r in range(1, geo.BLOCK_ROWS + 1) if geo.lanes(r) == 4),
-        "lanes_two_rows": max(r for r in range(1, geo.BLOCK_ROWS + 1) if geo.lanes(r) == 2),
-        "lanes_phrase": ", ".join(map(str, aot.LANES[:-1])) + f" and {aot.LANES[-1]}",
-    }
-
-
-def register_report(group: int, head_dim: int = 128) -> dict:
-    """Registers and spills of the attention kernel in the presets' format
-    (``sass.decode_layout(head_dim, 3, 2, 11)``) with fp16 exact streams, in its first
-    configuration, compiled for sm_90 (:func:`rqlib.book.ptx.compile_ptx`): a decode step of
-    ``group`` rows in its lanes (``att_regs``, ``att_spill``, ``att_sm80_spill`` at sm_80, the
-    theoretical occupancy ``att_blocks``, ``att_occupancy``, ``att_limit``), the same at head
-    dimension 256 (``att_wide_spill``) and a prompt, in one lane (``att_prompt_spill``); and the
-    configurations (``n_configs``, ``tensor_core_configs``, ``first_config``: warps, scores on
-    tensor cores, value pairs). The decode step's shared memory unpipelined (``att_smem``) and
-    in the ``n_pipelined`` pipelined configurations (``limits.PIPELINED_CONFIGS``): how many do
-    not spill (``pipelined_fits``), and the first's spill in words and its shared memory
-    (``pipelined_first_phrase``, ``pipelined_smem``: the first configuration in two stages).
-    The first configuration of wider key tiles (``limits.WIDE_TILE_CONFIGS``: ``wide_keys``
-    keys, ``wide_warps`` warps): its spill in the same decode step (``wide_spill``) and at
-    head dimension 64 (``wide_small_spill``)."""
+def register_report(head_dim: int = 128) -> dict:
+    """Registers, spills and theoretical occupancy of the attention kernel in the presets'
+    format (``sass.decode_layout(head_dim, 3, 2, 11)``) with fp16 exact streams, in the one
+    configuration a launch runs it in (:func:`rqlib.kernels.limits.attention_config`), compiled
+    for sm_90 (:func:`rqlib.book.ptx.compile_ptx`): ``att_regs``, ``att_spill``, ``att_smem``,
+    ``att_warps``, ``att_tensor_cores`` (the scores on tensor cores), ``att_blocks`` (blocks
+    an SM holds), ``att_occupancy`` and ``att_limit`` (what bounds it); ``att_sm80_spill``,
+    the spill at sm_80; and the same format at head dimension 256 (``wide_warps``,
+    ``wide_tensor_cores``, ``wide_spill``), whose wider accumulator takes the other
+    configuration."""
     from rqlib.book import ptx, sass
     from rqlib.kernels import aot
     from rqlib.kernels import limits as geo
 
-    lanes = geo.lanes(group)
+    def spec(d: int):
+        return aot.attention_specialization(sass.decode_layout(d, 3, 2, 11), "fp16")
 
-    def spec(d: int, lanes: int, config: geo.AttentionConfig = geo.ATTENTION_CONFIGS[0]):
-        layout = sass.decode_layout(d, 3, 2, 11)
-        return aot.attention_specialization(layout, "fp16", config, lanes)
-
-    decode = spec(head_dim, lanes)
+    decode, wide = spec(head_dim), spec(256)
     compiled = ptx.compile_ptx(decode.label, 90)
     occupancy = aot.occupancy(compiled.registers, compiled.shared_bytes, decode.num_warps, 90)
-    first = geo.ATTENTION_CONFIGS[0]
-    pipelined = [
-        ptx.compile_ptx(spec(head_dim, lanes, config).label, 90) for config in geo.PIPELINED_CONFIGS
-    ]
-    wide = geo.WIDE_TILE_CONFIGS[0]
+    tensor_cores = bool(decode.constexprs["SCORE_TENSOR_CORES"])
     return {
-        "wide_keys": wide.block_s,
-        "wide_warps": wide.num_warps,
-        "wide_spill": ptx.compile_ptx(spec(head_dim, lanes, wide).label, 90).spill_bytes,
-        "wide_small_spill": ptx.compile_ptx(spec(64, lanes, wide).label, 90).spill_bytes,
-        "att_smem": compiled.shared_bytes,
-        "n_pipelined": len(pipelined),
-        "pipelined_fits": sum(not kernel.spill_bytes for kernel in pipelined),
-        "pipelined_first_phrase": either(
-            pipelined[0].spill_bytes > 0,
-            f"spills {pipelined[0].spill_bytes} bytes a thread",
-            "fits too",
-        ),
-        "pipelined_smem": pipelined[0].shared_bytes,
         "att_regs": compiled.registers,
         "att_spill": compiled.spill_bytes,
-        "att_sm80_spill": ptx.compile_ptx(decode.label, 80).spill_bytes,
-        "att_wide_spill": ptx.compile_ptx(spec(256, lanes).label, 90).spill_bytes,
-        "att_prompt_spill": ptx.compile_ptx(spec(head_dim, 1).label, 90).spill_bytes,
+        "att_smem": compiled.shared_bytes,
         "att_warps": decode.num_warps,
-        "att_lanes": lanes,
+        "att_tensor_cores": tensor_cores,
         "att_blocks": occupancy["blocks"],
         "att_occupancy": occupancy["occupancy"],
         "att_limit": occupancy["limit"],
-        "n_configs": len(geo.ATTENTION_CONFIGS),
-        "tensor_core_configs": sum(c.score_tensor_cores for c in geo.ATTENTION_CONFIGS),
-        "first_config": (first.num_warps, first.score_tensor_cores, first.value_pairs),
+        "att_sm80_spill": ptx.compile_ptx(decode.label, 80).spill_bytes,
+        "att_max_registers": geo.ATTENTION_MAX_REGISTERS,
+        "wide_warps": wide.num_warps,
+        "wide_tensor_cores": bool(wide.constexprs["SCORE_TENSOR_CORES"]),
+        "wide_spill": ptx.compile_ptx(wide.label, 90).spill_bytes,
+        "tensor_core_max_width": geo.TENSOR_CORE_MAX_WIDTH,
     }
 
 
@@ -624,3 +495,24 @@ def benchmark(args: argparse.Namespace, device: str = "cuda") -> pd.DataFrame:
     if args.hbm_gbps:
         frame["fraction_of_hbm"] = frame["GB_per_s"] / args.hbm_gbps
     return frame
+
+
+def attention_sources() -> list:
+    """The excerpts of ``rqlib.kernels.triton_attention`` that the chapter shows after the
+    online softmax's equations (:func:`rqlib.book.source.show_source`): the keys of a tile,
+    one softmax step, the walk over one stream's tiles, and the reduce's merge of the partial
+    results. The walk is ``stream_loop`` where the kernel has one function for the three
+    streams, else the sink's loop of ``attention_kernel`` (the shortest of the three)."""
+    from rqlib.book.source import show_source
+    from rqlib.kernels import triton_attention as kernel
+
+    if hasattr(kernel, "stream_loop"):
+        walk = show_source(kernel.stream_loop, start="m_i, l_i, acc = fresh_softmax(")
+    else:
+        walk = show_source(kernel.attention_kernel, start="# 3. the sink", stop="store_partial(")
+    return [
+        show_source(kernel.tile_range),
+        show_source(kernel.softmax_step),
+        walk,
+        show_source(kernel.reduce_kernel, start="m_max = tl.load(part_m_ptr"),
+    ]

@@ -8,10 +8,9 @@ instructions come from the machine code (SASS) that ptxas produces for the atten
 1. :func:`compile_decode_path` compiles the specialization of ``attention_kernel`` that a
    decode step launches for one layer format (:func:`decode_layout`: keys and values as codes,
    no QJL; the formats are compile-time, so the branches of other formats are not in it; the
-   mask, window and positions stay run-time arguments, as in a launch), in the first of
-   ``limits.ATTENTION_CONFIGS`` whose kernel does not spill: the configuration a launch
-   prefers (on a GPU, ``launch.attention_config`` also times the others that fit). It runs
-   in a subprocess without ``TRITON_INTERPRET``, like :func:`rqlib.book.ptx.compile_ptx`, and
+   mask, window and positions stay run-time arguments, as in a launch), in the one
+   configuration a launch runs that format in (``limits.attention_config``). It runs in a
+   subprocess without ``TRITON_INTERPRET``, like :func:`rqlib.book.ptx.compile_ptx`, and
    disassembles it with the source line of every instruction (``nvdisasm -g``).
 2. :func:`parse_sass` reads the instructions (address, opcode, branch target, source line).
 3. :func:`tile_counts` finds the main stream's loop (the first outermost loop: a backward
@@ -22,10 +21,11 @@ instructions come from the machine code (SASS) that ptxas produces for the atten
    :func:`issue_budget` gives the warp instructions per key that a GPU can issue while its
    HBM delivers the key's bytes.
 
-These are static counts: a predicated-off instruction counts as issued (it is); latencies and
-the rates of the execution units are ignored; only the main loop is counted (the sink and the
-recent band add a constant per step). They bound how fast the step
-can be from below; a GPU measures how fast it is.
+These are static counts: a predicated-off instruction counts as issued (it is); latencies, the
+occupancy of the SMs and the rates of the execution units are ignored; only the main loop is
+counted (the sink and the recent band add a constant per step), and nothing the host does
+around the kernel. They are a model of the step, not a prediction of its time: only a GPU
+measures that (``python -m rqlib bench gpu``).
 """
 
 from __future__ import annotations
@@ -168,23 +168,15 @@ def tile_counts(
 @dataclass(frozen=True)
 class IssueCount:
     """The opcodes one thread issues for one tile of ``keys`` keys of the main loop (and the
-    listing they were counted from), in configuration ``config`` (an index into
-    ``limits.ATTENTION_CONFIGS``), the tile cut into ``lanes`` lanes."""
+    listing they were counted from), in a configuration of ``warps`` warps whose scores run on
+    tensor cores or not (``score_tensor_cores``)."""
 
     per_tile: dict
     keys: int
     warps: int
     trips: int
     instructions: tuple = field(default=(), repr=False)
-    config: int = 0
-    lanes: int = 1
-
-    @property
-    def score_tensor_cores(self) -> bool:
-        """Whether the scores of this configuration run on tensor cores."""
-        from rqlib.kernels import limits as geo
-
-        return geo.ATTENTION_CONFIGS[self.config].score_tensor_cores
+    score_tensor_cores: bool = True
 
     @property
     def per_key_per_thread(self) -> float:
@@ -261,7 +253,7 @@ def issue_summary(
     ``packed_bytes`` or ``fp16_bytes`` (a key and a value in each format); their ``ratio``
     (count / packed budget); the shares of fp32 multiply-adds, of tensor-core products, of
     shared memory and barriers, of the multiply-adds spent on tile rows that hold no query (the
-    ``rows`` of a decode step, the GQA group, once per lane, padded to the 16 of ``tl.dot``),
+    ``rows`` of a decode step, the GQA group, padded to the 16 of ``tl.dot``),
     and of integer arithmetic;
     ``fma_floor``: the warp instructions the multiply-adds of a key's scores would need on CUDA
     cores without any padding (``rows`` scores of ``head_dim`` coordinates, one FFMA each, 32
@@ -273,7 +265,7 @@ def issue_summary(
     per_key = count.warp_instructions_per_key
     classes = count.by_class()
     fma = classes["fp32 multiply-add (FFMA)"]
-    padded = 1 - min(rows * count.lanes, geo.BLOCK_ROWS) / geo.BLOCK_ROWS
+    padded = 1 - min(rows, geo.BLOCK_ROWS) / geo.BLOCK_ROWS
     budget_packed = issue_budget(packed_bytes, hbm_gbs, sm_count, clock_ghz)
     issue_ns = per_key / issue_rate(sm_count, clock_ghz)
     return {
@@ -302,15 +294,12 @@ def decode_layout(head_dim: int, key_bits: int, value_bits: int, norm_bits: int)
     return aot.coded_layout(head_dim, key_bits, value_bits, norm_bits)
 
 
-def _decode_spec(*layout: int, config: int = 0, exact: str = "fp16", lanes: int = 1):
+def _decode_spec(*layout: int, exact: str = "fp16"):
     """The attention specialization of a decode step of :func:`decode_layout` with ``exact``
-    sink vectors, in ``limits.ATTENTION_CONFIGS[config]``, its key tiles in ``lanes`` lanes."""
+    sink vectors, in the configuration a launch runs it in."""
     from rqlib.kernels import aot
-    from rqlib.kernels import limits as geo
 
-    return aot.attention_specialization(
-        decode_layout(*layout), exact, geo.ATTENTION_CONFIGS[config], lanes
-    )
+    return aot.attention_specialization(decode_layout(*layout), exact)
 
 
 def compile_decode_path(
@@ -320,23 +309,18 @@ def compile_decode_path(
     value_bits: int,
     norm_bits: int,
     *,
-    rows: int = 4,
     timeout: float = 300.0,
 ) -> IssueCount:
     """Compile the decode path (:func:`decode_layout`) of ``attention_kernel`` for
-    ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET``, for a block of ``rows`` query
-    rows (a decode step's GQA group; 4 in Llama-3-8B's geometry) in the lanes a launch cuts its
-    key tiles into (:func:`rqlib.kernels.limits.lanes`), in the first configuration whose
-    kernel does not spill (the one a launch prefers), and count one main-loop tile.
+    ``sm_<arch>`` in a subprocess without ``TRITON_INTERPRET``, in the configuration a launch
+    runs it in, and count one main-loop tile (its 16 rows hold a decode step's GQA group).
 
     Raises ``RuntimeError`` with the end of the compiler's stderr when the compile fails.
     """
     from rqlib.book.ptx import compile_env
-    from rqlib.kernels import limits as geo
 
     env = compile_env()
-    lanes = geo.lanes(rows)
-    arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits, lanes)]
+    arguments = [str(v) for v in (arch, head_dim, key_bits, value_bits, norm_bits)]
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "kernel.sass"
         result = subprocess.run(
@@ -357,29 +341,19 @@ def compile_decode_path(
     instructions = parse_sass(text)
     counts = tile_counts(instructions, trips)
     return IssueCount(
-        dict(counts),
-        usage["keys"],
-        usage["warps"],
-        trips,
-        tuple(instructions),
-        usage["config"],
-        lanes,
+        dict(counts), usage["keys"], usage["warps"], trips, tuple(instructions), usage["tensor"]
     )
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS LANES OUT``:
-    write the SASS of the decode path in the configuration a launch settles on, print its tile
-    (keys, chunk, warps, configuration) as JSON."""
+    """``python -m rqlib.book.sass ARCH HEAD_DIM KEY_BITS VALUE_BITS NORM_BITS OUT``: write the
+    SASS of the decode path, print its tile (keys, chunk, warps, scores on tensor cores) as
+    JSON."""
     from rqlib.kernels import aot
-    from rqlib.kernels import limits as geo
 
-    arch, *layout, lanes = (int(value) for value in argv[:6])
-    for config in range(len(geo.ATTENTION_CONFIGS)):
-        spec = _decode_spec(*layout, config=config, lanes=lanes)
-        compiled = aot.compile_kernel(aot.kernel_objects()[spec.kernel], spec, arch)
-        if not aot.resource_usage(compiled.asm["cubin"]).get("stack", 0):
-            break
+    arch, *layout = (int(value) for value in argv[:5])
+    spec = _decode_spec(*layout)
+    compiled = aot.compile_kernel(aot.kernel_objects()[spec.kernel], spec, arch)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
@@ -387,9 +361,10 @@ def _main(argv: list[str]) -> int:
         sass = subprocess.run(
             [str(nvdisasm), "-g", "-c", handle.name], capture_output=True, text=True, check=True
         ).stdout
-    Path(argv[6]).write_text(sass)
+    Path(argv[5]).write_text(sass)
     tile = {"keys": spec.constexprs["BLOCK_S"], "chunk": spec.constexprs["CHUNK"]}
-    print(json.dumps({**tile, "warps": spec.num_warps, "config": config}))
+    tensor = bool(spec.constexprs["SCORE_TENSOR_CORES"])
+    print(json.dumps({**tile, "warps": spec.num_warps, "tensor": tensor}))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Figures of chapter 3 (kernels): bytes per key, the packed layout, the decode-step model."""
+"""Figures of chapter 3 (kernels): bytes per key, the packed layout, the instruction count, and
+the measured decode step next to the byte model."""
 
 from __future__ import annotations
 
@@ -17,45 +18,48 @@ __all__ = [
     "benchmark_figure",
     "bytes_figure",
     "issue_figure",
-    "lanes_figure",
     "packing_figure",
-    "speedups",
+    "byte_ratios",
 ]
 
 
-def speedups(per_bits: pd.DataFrame, value_bits: int) -> dict[str, pd.Series]:
-    """The memory-bound speed-ups over fp16 the byte counts predict, per key bit width."""
+def byte_ratios(per_bits: pd.DataFrame, value_bits: int) -> dict[str, pd.Series]:
+    """Bytes of fp16 over bytes stored, per key bit width: for keys alone and for the key and
+    value a decode step reads. A ratio of bytes, not of times: what a kernel achieves is
+    measured (``rqlib.book.gpu_results``)."""
     fp16_kv = 2 * per_bits["fp16"]
     prod = per_bits["packed codes + QJL"]
     return {
-        "keys only: packed codes": per_bits["fp16"] / per_bits["packed codes"],
-        "keys only: packed codes + QJL": per_bits["fp16"] / prod,
-        "decode, K + QJL, V fp16": fp16_kv / (prod + per_bits["fp16"]),
-        f"decode, K + QJL, V {value_bits}-bit": fp16_kv / (prod + per_bits["packed values"]),
+        "keys: packed codes": per_bits["fp16"] / per_bits["packed codes"],
+        "keys: packed codes + QJL": per_bits["fp16"] / prod,
+        "K + V: codes + QJL, fp16 V": fp16_kv / (prod + per_bits["fp16"]),
+        f"K + V: codes + QJL, {value_bits}-bit V": fp16_kv / (prod + per_bits["packed values"]),
     }
 
 
 def bytes_figure(per_bits: pd.DataFrame, value_bits: int) -> Figure:
-    """Left: bytes per key and KV head of each format against the key bits. Right: the
-    speed-ups over fp16 that the byte counts predict."""
+    """Left: bytes per key and KV head of each format against the key bits. Right: how many
+    times fewer bytes than fp16 each format stores (:func:`byte_ratios`). Every line has its
+    own colour and marker, so no legend entry looks like another."""
     fig, (left, right) = subplots(2, width=5.5, height=3.6)
     bits = np.array(per_bits.index)
     for name, style in (("fp16", "k--"), ("one byte per code", "k:")):
         left.plot(bits, per_bits[name], style, label=name)
-    for name, marker in (("packed codes", "o-"), ("packed codes + QJL", "s-")):
-        left.plot(bits, per_bits[name], marker, label=name)
+    for name, marker, color in (("packed codes", "o-", "C0"), ("packed codes + QJL", "s-", "C1")):
+        left.plot(bits, per_bits[name], marker, color=color, label=name)
     left.set_xlabel("key bits b (prod: b − 1 code bits + 1 QJL bit)")
     left.set_ylabel("bytes per key and KV head")
     left.set_ylim(0, None)
-    for (name, ratio), marker in zip(speedups(per_bits, value_bits).items(), "os^v"):
-        right.plot(bits, ratio, marker + "-", label=name)
+    styles = zip("^v<>", ("C2", "C3", "C4", "C5"))
+    for (name, ratio), (marker, color) in zip(byte_ratios(per_bits, value_bits).items(), styles):
+        right.plot(bits, ratio, marker + "-", color=color, label=f"fp16 / {name}")
     right.axhline(1.0, color="k", lw=0.8)
     right.set_xlabel("key bits b")
-    right.set_ylabel("predicted speed-up over fp16")
+    right.set_ylabel("fp16 bytes / stored bytes")
     for ax in (left, right):
         ax.set_xticks(bits)
     handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    legend_below(fig, handles=handles, ncol=3)
+    legend_below(fig, handles=handles, ncol=2)
     return fig
 
 
@@ -132,73 +136,46 @@ def benchmark_figure(
     measured: pd.DataFrame | None,
     issue_floor: tuple[str, float] | None = None,
 ) -> Figure:
-    """Time of one decode step of one layer against the context length: the byte-count model
+    """Time of one decode step of one layer against the context length: the byte model
     (dashed: bytes per token and KV head read once at ``hbm_gbps``), the instruction-issue
-    floor when given (``(label, nanoseconds per token and KV head)``, dotted) and, when
-    measured, the kernels' times (left) and achieved bandwidth (right)."""
+    model when given (``(label, nanoseconds per token and KV head)``, dotted) and, when
+    ``measured`` (columns ``kv_len``, ``kernel``, ``time_us``, ``mb_read``), the measured
+    times (left, points) and the bandwidth they achieve (right)."""
     fig, axes = subplots(1 if measured is None else 2, width=5.8, height=3.8)
     ax = axes[0]
     for (name, nbytes), color in zip(model_bytes.items(), ("C0", "C1", "C2")):
         micros = nbytes * lengths * heads / (hbm_gbps * 1e9) * 1e6
-        ax.plot(lengths, micros, "--", color=color, label=f"model: {name}")
+        ax.plot(lengths, micros, "--", color=color, label=f"byte model: {name}")
     if issue_floor is not None:
         name, nanos = issue_floor
         ax.plot(lengths, nanos * lengths * heads / 1e3, ":", color="C3", label=name)
     if measured is not None:
-        for name, group in measured.groupby("kernel", sort=False):
-            ax.plot(group["kv_len"], group["time_us"], "o-", label=f"measured: {name}")
-            axes[1].plot(group["kv_len"], group["GB_per_s"], "o-")
-        axes[1].axhline(hbm_gbps, color="k", ls=":", label="HBM peak")
+        styles = zip("osD^v<>", ("C4", "C5", "C6", "C7", "C8", "C9", "k"))
+        for (name, group), (marker, color) in zip(measured.groupby("kernel", sort=False), styles):
+            ax.plot(
+                group["kv_len"],
+                group["time_us"],
+                marker + "-",
+                color=color,
+                label=f"measured: {name}",
+            )
+            gbps = 1e3 * group["mb_read"] / group["time_us"]
+            axes[1].plot(group["kv_len"], gbps, marker + "-", color=color)
+        axes[1].axhline(hbm_gbps, color="k", ls=":")
+        axes[1].annotate(
+            "HBM peak",
+            (0.02, hbm_gbps),
+            xycoords=("axes fraction", "data"),
+            va="bottom",
+            fontsize=8,
+        )
         axes[1].set_xscale("log", base=2)
+        axes[1].set_yscale("log")
         axes[1].set_xlabel("context length (tokens)")
-        axes[1].set_ylabel("achieved GB/s (bytes read / time)")
+        axes[1].set_ylabel("GB/s (bytes it must read / time)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("µs per decode step, one layer")
-    handles = [h for a in axes for h in a.get_legend_handles_labels()[0]]
-    legend_below(fig, handles=handles, ncol=2)
-    return fig
-
-
-def lanes_figure(maps: Mapping[int, torch.Tensor], group: int) -> Figure:
-    """One panel per number of lanes: the pairs (tile row, key of the tile) of one key tile
-    whose score the softmax reads (``maps[lanes]``, from ``kernel_checks.lane_map``: the tile
-    column + 1 where read, 0 where the product is computed and dropped), coloured by the query
-    row of the ``group`` a tile row holds (row ``i`` holds query row ``i // lanes``); grey rows
-    hold no query."""
-    fig, axes = subplots(len(maps), width=3.6, height=3.9)
-    colors = plt.cm.tab10.colors
-    for ax, (lanes, read) in zip(axes, maps.items()):
-        rows, keys = read.shape
-        for i in range(rows):
-            query = i // lanes
-            for j in range(keys):
-                if query >= group:
-                    face = dict(facecolor="0.85", edgecolor="white")
-                elif read[i, j] > 0:
-                    face = dict(facecolor=colors[query % 10], edgecolor="white")
-                else:
-                    face = dict(facecolor=colors[query % 10], alpha=0.15, edgecolor="white")
-                ax.add_patch(plt.Rectangle((j, i), 1, 1, **face))
-        ax.set_xlim(0, keys)
-        ax.set_ylim(rows, 0)
-        ax.set_aspect("equal")
-        ax.set_xticks([0, keys // 2, keys])
-        ax.set_yticks([0, rows // 2, rows])
-        ax.set_xlabel("key of the tile")
-        ax.set_ylabel("row of the tile")
-        used = min(rows, group * lanes)
-        ax.set_title(
-            f"{lanes} lane{'s' * (lanes > 1)}: {used} of {rows} rows hold a query", fontsize=9
-        )
-    handles = [
-        plt.Rectangle((0, 0), 1, 1, facecolor=colors[q % 10], label=f"query row {q}")
-        for q in range(group)
-    ]
-    handles += [
-        plt.Rectangle((0, 0), 1, 1, facecolor=colors[0], alpha=0.15, label="product dropped"),
-        plt.Rectangle((0, 0), 1, 1, facecolor="0.85", label="no query"),
-    ]
-    legend_below(fig, handles=handles, ncol=len(handles))
+    legend_below(fig, handles=ax.get_legend_handles_labels()[0], ncol=2)
     return fig
