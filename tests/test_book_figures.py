@@ -99,3 +99,50 @@ def test_the_score_check_figure_gives_its_noise_a_unit():
     fig = score_check_figure(per_layer)
     assert "logit²" in fig.axes[1].get_ylabel() and "nats" in fig.axes[2].get_ylabel()
     plt.close(fig)
+
+
+def test_chapter_3_figures_have_distinct_legend_entries_off_the_data(rng):
+    """Fig. 3.1 (bytes per key and byte ratios) and the measured decode step: every legend
+    entry differs from the others in its label and in its look (colour, marker, line style),
+    and the legend covers no axes."""
+    from rqlib.book.figures import kernels as figures
+
+    bits = [2, 3, 4]
+    per_bits = pd.DataFrame(
+        {
+            "fp16": [256.0] * 3,
+            "one byte per code": [130.0] * 3,
+            "packed codes": [34.0, 50.0, 66.0],
+            "packed codes + QJL": [36.0, 52.0, 68.0],
+            "packed values": [66.0] * 3,
+        },
+        index=pd.Index(bits, name="key bits"),
+    )
+    times = (100 + 1000 * torch_uniform(rng, 8)).tolist()
+    measured = pd.DataFrame(
+        {
+            "kv_len": [32768, 131072] * 4,
+            "kernel": [k for k in ("SDPA fp16", "a", "b", "attention K, V packed") for _ in "12"],
+            "time_us": times,
+            "mb_read": [35.0, 140.0] * 4,
+        }
+    )
+    lengths = np.array([1024, 32768, 131072])
+    for fig in (
+        figures.bytes_figure(per_bits, 4),
+        figures.benchmark_figure(
+            {"fp16": 512, "packed": 116}, lengths, 8, 4800.0, measured, ("issue", 0.1)
+        ),
+    ):
+        (legend,) = fig.legends
+        handles, labels = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
+        looks = [(str(h.get_color()), h.get_marker(), h.get_linestyle()) for h in handles]
+        assert len(set(labels)) == len(labels) and len(set(looks)) == len(looks), labels
+        assert not overlaps_an_axes(fig)
+        plt.close(fig)
+
+
+def torch_uniform(rng, n: int):
+    import torch
+
+    return torch.rand(n, generator=rng, dtype=torch.float64).numpy()

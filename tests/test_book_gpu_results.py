@@ -137,6 +137,9 @@ def test_a_json_report_parses_in_both_layouts(tmp_path, rng, layout):
     assert table["whole call"].tolist() == [call] and table["SDPA fp16"].tolist() == [sdpa]
     assert table["byte model, packed"].tolist() == [pytest.approx(4.0 / 2000 * 1e3)]
     assert f"{alone:.0f} µs of GPU time" in gpu_results.host_sentence(found, 4096)
+    unfinished = {**header, "commit": "0" * 40, "steps": {"kernels": {"status": "timeout"}}}
+    (tmp_path / "gpu-h100-000000000000.json").write_text(json.dumps(unfinished))
+    assert sorted(len(m.timings) for m in gpu_results.load_all(tmp_path)) == [0, 3]
     (tmp_path / "gpu-broken.json").write_text("{")
     with pytest.raises(ValueError, match="gpu-broken.json"):
         gpu_results.load_all(tmp_path)
@@ -179,11 +182,17 @@ def test_the_measurement_at_the_current_kernel_is_preferred(tmp_path):
     choice = gpu_results.choose(both, tmp_path)
     assert choice.current and choice.measurement.commit == second[:7]
     choice = gpu_results.choose(both[:1], tmp_path)
-    assert not choice.current and "No GPU measurement exists for the current kernel" in (
-        choice.sentence
-    )
+    assert not choice.current and "No GPU measurement with timings exists" in choice.sentence
     assert f"git diff {first[:7]}" in choice.sentence
+    # a report at the current kernel whose kernel step timed out is named, not shown
+    untimed = gpu_results.parse_json(
+        {"device": "NVIDIA H200", "commit": second, "steps": {"kernels": {"status": "timeout"}}},
+        "gpu-untimed.json",
+    )
+    choice = gpu_results.choose([*both[:1], untimed], tmp_path)
+    assert choice.measurement is both[0] and "gpu-untimed.json" in choice.sentence
+    assert "timeout" in choice.sentence
     assert gpu_results.kernel_unchanged("0" * 40, tmp_path) is None  # a commit git lacks
     assert gpu_results.kernel_unchanged(second + "-dirty", tmp_path) is None
-    with pytest.raises(LookupError, match="no GPU measurement"):
-        gpu_results.choose([], tmp_path)
+    with pytest.raises(LookupError, match="no GPU timings"):
+        gpu_results.choose([untimed], tmp_path)

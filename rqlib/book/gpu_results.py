@@ -67,8 +67,9 @@ class Measurement:
     the ``device``, the ``commit`` measured, the package ``versions``, the ``date``
     (``YYYY-MM-DD...``), the HBM peak the run assumed (``peak_gbps``, ``None`` if not printed),
     the ``geometry`` timed (``q_heads``, ``kv_heads``, ``head_dim``, ``keys``, ``values``), the
-    ``timings`` (columns :data:`TIMING_COLUMNS`) and the decode-step ``profile``
-    (:func:`per_step` rows, empty when the file has none)."""
+    ``timings`` (columns :data:`TIMING_COLUMNS`; empty for a report whose kernel step did not
+    finish, ``status`` saying how it ended) and the decode-step ``profile`` (:func:`per_step`
+    rows, empty when the file has none)."""
 
     source: str
     device: str
@@ -79,6 +80,7 @@ class Measurement:
     profile: pd.DataFrame
     peak_gbps: float | None = None
     geometry: dict = field(default_factory=dict)
+    status: str = "ok"
 
     @property
     def short_commit(self) -> str:
@@ -211,7 +213,9 @@ def per_step(profile: dict) -> dict:
 # ---- the JSON report -----------------------------------------------------------------------------
 def parse_json(data: dict, source: str = "<json>") -> Measurement:
     """A measurement from a ``bench gpu`` report (or a report whose ``steps`` hold a flat
-    ``timings`` list). Raises ``ValueError`` naming ``source`` when it holds no timing."""
+    ``timings`` list). A report whose ``kernels`` step did not finish has no timings and the
+    step's ``status`` (and error). Raises ``ValueError`` naming ``source`` without a device
+    and a commit."""
     for key in ("device", "commit"):
         if not isinstance(data.get(key), str):
             raise ValueError(f"{source}: no {key!r} string in the report")
@@ -231,9 +235,10 @@ def parse_json(data: dict, source: str = "<json>") -> Measurement:
         geometry = {
             k: kernels[k] for k in ("q_heads", "kv_heads", "head_dim", "spec") if k in kernels
         }
-    if not rows:
-        raise ValueError(f"{source}: no timings (neither steps.kernels.rows nor steps.timings)")
-    timings = pd.DataFrame(rows)[list(TIMING_COLUMNS)]
+    status = "ok" if rows else str(kernels.get("status") or "no kernels step")
+    if not rows and kernels.get("error"):
+        status += f": {kernels['error']}"
+    timings = pd.DataFrame(rows, columns=list(TIMING_COLUMNS))
     return Measurement(
         source,
         data["device"],
@@ -244,6 +249,7 @@ def parse_json(data: dict, source: str = "<json>") -> Measurement:
         pd.DataFrame(),
         None,
         geometry,
+        status,
     )
 
 
@@ -300,27 +306,36 @@ def _stack(measurement: Measurement) -> str:
 
 
 def choose(measurements: list[Measurement], repo: Path | str) -> Choice:
-    """The newest measurement made at the current kernel, else the newest of all. Raises
-    ``LookupError`` when there is none."""
-    if not measurements:
-        raise LookupError("no GPU measurement under results/bench (gpu-*.json or gpu-*.txt)")
-    newest_first = sorted(measurements, key=lambda m: m.date, reverse=True)
+    """The newest measurement with timings made at the current kernel, else the newest with
+    timings of all (a report at the current kernel without timings is named in the sentence).
+    Raises ``LookupError`` when none has timings."""
+    timed = [m for m in measurements if len(m.timings)]
+    if not timed:
+        raise LookupError("no GPU timings under results/bench (gpu-*.json or gpu-*.txt)")
+    newest_first = sorted(timed, key=lambda m: m.date, reverse=True)
     states = {id(m): kernel_unchanged(m.commit, repo) for m in newest_first}
     current = [m for m in newest_first if states[id(m)]]
     chosen = (current or newest_first)[0]
+    untimed = [m for m in measurements if not len(m.timings) and kernel_unchanged(m.commit, repo)]
+    unfinished = "".join(
+        f" The report {m.source}, made at the current kernel, holds no kernel timings "
+        f"(its kernels step: {m.status})."
+        for m in untimed
+    )
     versions = f" ({_stack(chosen)})" if {"torch", "triton"} <= set(chosen.versions) else ""
     where = f"measured on an {chosen.device} at commit {chosen.short_commit}{versions}"
     if current:
         return Choice(chosen, True, f"These timings were {where}, with the current kernel.")
-    state = states[id(chosen)]
-    why = (
-        f"the kernel has changed since (`git diff {chosen.short_commit} -- {KERNEL_PATH}`)"
-        if state is False
-        else "git cannot tell whether the kernel has changed since"
-    )
+    if states[id(chosen)] is False:
+        when = (
+            f"before the changes that made the present kernel (`git diff {chosen.short_commit}"
+            f" -- {KERNEL_PATH}`)"
+        )
+    else:
+        when = "and git cannot tell whether the kernel has changed since"
     sentence = (
-        "No GPU measurement exists for the current kernel. The last one, shown here, was "
-        f"{where}, before the changes that made the present kernel: {why}."
+        "No GPU measurement with timings exists for the current kernel. The last one, shown "
+        f"here, was {where}, {when}.{unfinished}"
     )
     return Choice(chosen, False, sentence)
 
