@@ -2,7 +2,8 @@
 
 The frames are built by hand (the columns :func:`rqlib.book.loaders.load_headline` returns) with
 random numbers, so each test knows the answer; the committed files are read by chapter 4 and
-by ``tests/test_book_loaders.py``.
+by ``tests/test_book_loaders.py``. The answers hold for any numbers drawn (``rng``), so no test
+here fails by chance.
 """
 
 import math

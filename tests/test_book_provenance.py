@@ -1,4 +1,8 @@
-"""rqlib.book.provenance: what every chapter states about where its numbers came from."""
+"""rqlib.book.provenance: what every chapter states about where its numbers came from.
+
+Random text and values (``rng``) only make each run's inputs fresh; the checks are exact (hashes
+of different inputs differ: a SHA-256 collision is the only chance failure).
+"""
 
 import hashlib
 import shutil

@@ -1,4 +1,9 @@
-"""Lloyd-Max codebooks: known distortions, the paper's bounds, optimality, convergence in d."""
+"""Lloyd-Max codebooks: known distortions, the paper's bounds, optimality, convergence in d.
+
+Only the Monte Carlo test draws random inputs (``rng``): its bound is 5.33 standard errors,
+false failure 1e-7, audited over random seeds (``make test-seeds``); the others are
+deterministic.
+"""
 
 import math
 

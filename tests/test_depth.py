@@ -1,5 +1,11 @@
 """Tests of rqlib.study.depth: the per-layer measurements against independent oracles, and the
-residual-stream run on a tiny random Llama."""
+residual-stream run on a tiny random Llama.
+
+Random inputs come from ``rng``. Oracle comparisons recompute the same numbers another way
+(float rounding tolerances: no chance failure). The tests whose statistic depends on the draw
+(a fitted slope, a noise variance, the second-order KL) state their bound where they assert it
+and are audited over random seeds (``make test-seeds``).
+"""
 
 import math
 

@@ -3,6 +3,10 @@
 The oracle for "everything kept exact" is the model's own sdpa attention; for the compressed
 path it is a per-query loop written here from the definition (compressed keys except the sink
 and the band of recent keys, dequantized values except the same exact tokens).
+
+Models and inputs are drawn from ``rng``. Exact configs are compared to float rounding (no
+chance failure). The bounds on one draw's largest error of a lossy cache are marked randomized:
+``make test-seeds`` shows the worst of many random seeds against each bound.
 """
 
 from __future__ import annotations
@@ -149,7 +153,8 @@ def test_left_padded_batch_matches_sdpa(kind, rng):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("band", ["", ":wb=5"])
-def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng):
+@pytest.mark.randomized
+def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng, record_statistic):
     # The band is relative to each query, so feeding the tokens in chunks (as decoding does)
     # must give the same logits as one prefill, whether the band is exact or kept as codes.
     # fp64 makes the keys of both runs equal to ~1e-15.
@@ -165,14 +170,15 @@ def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng):
                 parts.append(model(ids[:, position : position + 1], cache=cache).logits)
     chunked = torch.cat(parts, dim=1)
     effect = (whole - model(ids).logits).abs().max().item()
-    assert effect > 1e-3  # the compression is really on: far from the exact model
+    record_statistic("effect (max |logit change|)", effect, 1e-3, at_least=True)  # it is on
     # Agreement to 1% of the compression's own effect. Most draws agree to ~1e-7, but the
     # quantizer rotates 20 keys at once, or 13 and then 1, in fp32: a coordinate within that
     # rounding of a decision boundary can take the neighbouring code in one run (one draw in
     # about 40: 4.4e-4, 1/600 of the effect, at the queries that read that key). A band placed
     # relative to the chunk instead of each query moves them by 0.16-0.26 (three draws), the
-    # size of the effect itself.
-    assert (chunked - whole).abs().max().item() <= 1e-2 * effect
+    # size of the effect itself. A flip is the only chance event here; the audit over 200
+    # random seeds (tests/audit/) measures how close the worst draw comes to the 1 %.
+    record_statistic("max |chunked - whole| / effect", (chunked - whole).abs().max() / effect, 1e-2)
 
 
 def _reference_attention(
@@ -259,7 +265,8 @@ def test_layer_attention_matches_the_definition(band_bits, rng):
             assert layer.stored_tokens()[name] == 3
 
 
-def test_centering_and_outliers_are_exact_in_the_score(rng):
+@pytest.mark.randomized
+def test_centering_and_outliers_are_exact_in_the_score(rng, record_statistic):
     # <q, k> = <q, k - mu> + <q, mu>: with a mean, scores estimate <q, k> for uncentered keys;
     # with an 8-bit codec the estimate is close to the exact inner product.
     dim, kv_heads = 32, 2
@@ -284,13 +291,16 @@ def test_centering_and_outliers_are_exact_in_the_score(rng):
     compressed = codec.encode(keys)
     exact = torch.einsum("bhld,bhsd->bhls", q, keys.repeat_interleave(2, 1))
     estimate = codec.scores(q, compressed)
-    # 8-bit codes: relative error per coordinate ~1e-2 of the centered norm (~5.7)
-    assert (estimate - exact).abs().max().item() < 0.5
+    # 8-bit codes: relative error per coordinate ~1e-2 of the centered norm (~5.7); the largest
+    # error over 120 scores and 640 coordinates is a maximum of one draw, its spread over 200
+    # random seeds is in the audit (tests/audit/)
+    record_statistic("max |score error|", (estimate - exact).abs().max(), 0.5)
     decoded = codec.decode(compressed)
-    assert (decoded - keys).abs().max().item() < 0.2
+    record_statistic("max |decoded - key|", (decoded - keys).abs().max(), 0.2)
 
 
-def test_channel_scaling_is_divided_out_in_scores_and_decode(rng):
+@pytest.mark.randomized
+def test_channel_scaling_is_divided_out_in_scores_and_decode(rng, record_statistic):
     # <q, k> = <q / a, a * (k - mu)> + <q, mu>: the score path must equal q . decode(k) for any
     # bit width (same codes, two algebraically equal routes), and at 8 bits both must be close
     # to the exact keys.
@@ -315,8 +325,8 @@ def test_channel_scaling_is_divided_out_in_scores_and_decode(rng):
         if check_exact:
             # 8 bits: D ~ 4e-5, so the score error is ~1e-2 of |q| |a k| / sqrt(d), amplified
             # by at most ~e^1.5 through 1/a; 5% of the largest score bounds it with margin
-            bound = 0.05 * exact.abs().max().item()
-            assert (via_decode - exact).abs().max().item() < bound
+            relative = (via_decode - exact).abs().max() / exact.abs().max()
+            record_statistic("8-bit max |score error| / max |score|", relative, 0.05)
     with pytest.raises(ValueError, match="positive"):
         VectorCodec(codec.parts, dim, scale=-scale)
 
@@ -392,7 +402,8 @@ def test_bytes_per_token_of_3_bit_keys_and_values_at_head_dim_64(rng):
     assert bytes_per_token(spec, model.config) == per_token
 
 
-def test_an_8_bit_band_is_stored_as_codes_and_read(rng):
+@pytest.mark.randomized
+def test_an_8_bit_band_is_stored_as_codes_and_read(rng, record_statistic):
     model = head_dim_64_model(rng)
     ids = random_ids(rng, 1, 40)
     with torch.no_grad():
@@ -408,7 +419,11 @@ def test_an_8_bit_band_is_stored_as_codes_and_read(rng):
     assert stored == 2 * 2 * (40 * 26 + 8 * 66)
     # an 8-bit band moves the logits far less than a 2-bit one (relative error per vector
     # ~0.6 % against ~34 %); both move them (the band codes are really read)
-    assert 0 < (coded_band - exact_band).abs().max() < 0.1 * (coarse_band - exact_band).abs().max()
+    coded_move = (coded_band - exact_band).abs().max()
+    assert coded_move > 0
+    record_statistic(
+        "8-bit / 2-bit band's logit move", coded_move / (coarse_band - exact_band).abs().max(), 0.1
+    )
 
 
 def test_model_is_restored_after_an_exception(rng):

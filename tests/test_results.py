@@ -1,4 +1,7 @@
-"""rqlib.book.results: one JSON per run written by save_result, gathered back by collect."""
+"""rqlib.book.results: one JSON per run written by save_result, gathered back by collect.
+
+Random values (``rng``) are written and read back exactly: no test here fails by chance.
+"""
 
 import json
 import math

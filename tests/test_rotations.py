@@ -1,4 +1,9 @@
-"""Rotations: orthogonality, apply/inverse round trips, the fast Hadamard transform."""
+"""Rotations: orthogonality, apply/inverse round trips, the fast Hadamard transform.
+
+Random inputs come from the ``rng`` fixture. The round trips are float32 identities with a
+rounding tolerance (no chance failure); the Haar test bounds sample moments at 6 standard
+errors (false failure 2e-9 per bound) and is audited over random seeds (``make test-seeds``).
+"""
 
 import math
 
