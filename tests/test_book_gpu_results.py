@@ -196,3 +196,33 @@ def test_the_measurement_at_the_current_kernel_is_preferred(tmp_path):
     assert gpu_results.kernel_unchanged(second + "-dirty", tmp_path) is None
     with pytest.raises(LookupError, match="no GPU timings"):
         gpu_results.choose([untimed], tmp_path)
+
+
+def test_a_report_written_by_bench_gpu_reads_back(tmp_path, rng):
+    """The kernels step of ``bench gpu`` (its own code, a small geometry, stand-in timers that
+    return fresh random times), recorded in its report as the command records it, reads back
+    with the same times and megabytes."""
+    from rqlib.study import gpu_bench
+
+    drawn = iter(draw(rng, 0.01, 5.0, 4))
+    small = dict(hidden_size=256, intermediate_size=256, num_attention_heads=8)
+    small |= dict(num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+    result = gpu_bench.kernel_timings(
+        device="cpu",
+        kv_lens=(300,),
+        batches=(1,),
+        timer=lambda fn: next(drawn),  # ms
+        kernel_timer=lambda fn: 1e3 * next(drawn),  # µs
+        **small,
+    )
+    header = {"device": "NVIDIA H200", "commit": "f" * 40, "versions": {"torch": "2.13.0"}}
+    report = gpu_bench.Report(tmp_path / "gpu-nvidia-h200-ffffffffffff.json", header)
+    report.record("kernels", {"status": "ok", "seconds": 1.0, **result})
+    (found,) = gpu_results.load_all(tmp_path)
+    (row,) = result["rows"]
+    table = gpu_results.side_by_side(found, 4800.0, 0.0)
+    assert table["SDPA fp16"].tolist() == [pytest.approx(row["sdpa_us"])]
+    assert table["whole call"].tolist() == [pytest.approx(row["call_us"])]
+    assert table["kernels alone"].tolist() == [pytest.approx(row["kernels_us"])]
+    assert table["byte model, packed"].tolist() == [pytest.approx(row["packed_mb"] / 4.8)]
+    assert found.geometry["kv_heads"] == 2 and "2 KV heads" in gpu_results.geometry_phrase(found)
