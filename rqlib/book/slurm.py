@@ -46,6 +46,7 @@ from rqlib.book.sweep import (
 
 __all__ = [
     "SlurmOptions",
+    "SlurmUnavailableError",
     "SweepJob",
     "make_executor",
     "queue_states",
@@ -56,6 +57,10 @@ __all__ = [
 #: Queue states of a job that has not started yet, and of one that is executing.
 WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"})
 RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING"})
+
+
+class SlurmUnavailableError(OSError):
+    """Slurm's commands are missing or its controller does not answer (the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -213,10 +218,13 @@ def queue_states(job_ids: list[str]) -> dict[str, str]:
     """The queue state (``PENDING``, ``RUNNING``, ``CANCELLED``...) of each of ``job_ids``
     that Slurm still lists; a job it no longer lists is absent.
 
-    Raises ``RuntimeError`` with ``squeue``'s message when the queue cannot be read.
+    Raises :class:`SlurmUnavailableError` with ``squeue``'s message when the queue cannot be
+    read.
     """
     if shutil.which("squeue") is None:
-        raise RuntimeError("squeue is not on PATH: the state of Slurm jobs cannot be read")
+        raise SlurmUnavailableError(
+            "squeue is not on PATH: the state of the sweep's Slurm jobs cannot be read"
+        )
     listed = subprocess.run(
         ["squeue", "--noheader", "--states=all", "--format=%i|%T"],
         capture_output=True,
@@ -225,7 +233,7 @@ def queue_states(job_ids: list[str]) -> dict[str, str]:
     )
     if listed.returncode != 0:
         message = " ".join(listed.stderr.split()) or f"exit status {listed.returncode}"
-        raise RuntimeError(f"squeue failed: {message}")
+        raise SlurmUnavailableError(f"squeue failed, so the jobs' states are unknown: {message}")
     wanted = set(job_ids)
     states = {}
     for line in listed.stdout.splitlines():
