@@ -219,22 +219,28 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class RecordedKernel:
-    """Stands in for ``launch.attention_kernel``: runs it and records each launch's arguments
-    by name and its keyword arguments (constexprs and compile options)."""
+    """Stands in for ``launch.attention_kernel``: runs it and records each launch's run-time
+    arguments by name, and its constexprs and compile options."""
 
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, []
-        self.names = list(inspect.signature(kernel.fn).parameters)
+        parameters = inspect.signature(kernel.fn).parameters
+        self.names = list(parameters)
+        self.constexprs = {
+            name for name, p in parameters.items() if "constexpr" in str(p.annotation)
+        }
 
     def __getitem__(self, grid):
         def launch_(*args, **kwargs):
-            self.launches.append((dict(zip(self.names, args)), kwargs))
+            named = {**dict(zip(self.names, args)), **kwargs}
+            runtime = {
+                k: v for k, v in named.items() if k in self.names and k not in self.constexprs
+            }
+            options = {k: v for k, v in named.items() if k not in runtime}
+            self.launches.append((runtime, options))
             return self.kernel[grid](*args, **kwargs)
 
         return launch_
-
-    def warmup(self, *args, **kwargs):
-        return self.kernel.warmup(*args, **kwargs)
 
 
 @pytest.fixture

@@ -170,7 +170,7 @@ def attention_specialization(
     pointers.update({name: CODEBOOK for name in ATTENTION_CODEBOOKS})
     block = geo.value_block(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
     width = block * geo.value_blocks(max(layout["head_dim"], layout["v_dim"], layout["bv_dim"]))
-    config = geo.attention_config(width) if config is None else config
+    config = geo.attention_config(width, bool(layout["k_qjl"])) if config is None else config
     scores = POINTER_DTYPES[PAIR_DTYPES[config.score_codebook_dtype]]
     pointers.update({name: scores for name in ATTENTION_SCORE_TABLES})
     constexprs = {

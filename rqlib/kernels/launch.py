@@ -122,44 +122,97 @@ def _dummy(device, dtype=torch.uint8) -> torch.Tensor:
     return _DUMMIES[key]
 
 
-def _ring_arguments(stream, device, exact_dtype):
-    """Pointers, run-time sizes and strides of one stream for the attention kernel (its format
-    is compile-time: :func:`rqlib.kernels.limits.attention_formats`).
-
-    Returns ``(pointers, sizes, strides)``: pointers (codes, norms, signs, residual norms,
-    exact, fp16 codebook; the keys' table of centroid pairs is :func:`_centroid_table`'s), sizes
-    (ring capacity, QJL sketch dimension and scale), strides (codes b/h/s,
-    norms b/h, signs b/h/s, residual norms b/h, exact b/h/s)."""
+def stream_arguments(prefix: str, stream, device, exact_dtype, table=None) -> dict:
+    """The attention kernel's run-time arguments of one stream, by keyword: ``<prefix>_codes_ptr``,
+    ``_norms_ptr``, ``_exact_ptr``, the codebook (``_table_ptr`` given as ``table`` for keys,
+    ``_centroids_ptr`` for values), the ring's capacity ``_cap`` and the strides of its buffers
+    (``_stride_cb/ch/cs`` codes, ``_stride_nb/nh`` norms, ``_stride_xb/xh/xs`` exact vectors);
+    for the main keys (``prefix`` ``"k"``) also their QJL signs and residual norms. ``None`` (no
+    such stream) gives stand-ins the kernel never reads. The stream's format is compile-time
+    (:func:`rqlib.kernels.limits.attention_formats`)."""
     u8, exact_dummy = _dummy(device), _dummy(device, exact_dtype)
-    no_codebook = _dummy(device, numerics.CODEBOOK_DTYPE)
+    codebook = "_table_ptr" if prefix in ("k", "bk") else "_centroids_ptr"
+    args = {
+        f"{prefix}_codes_ptr": u8,
+        f"{prefix}_norms_ptr": u8,
+        f"{prefix}_exact_ptr": exact_dummy,
+        f"{prefix}{codebook}": table
+        if table is not None
+        else _dummy(device, numerics.CODEBOOK_DTYPE),
+        f"{prefix}_cap": 1,
+        **{
+            f"{prefix}_stride_{axis}": 0
+            for axis in ("cb", "ch", "cs", "nb", "nh", "xb", "xh", "xs")
+        },
+    }
+    if prefix == "k":
+        args.update(k_signs_ptr=u8, k_rnorms_ptr=u8, k_sketch_dim=0, k_qjl_scale=0.0)
+        args.update({f"k_stride_{axis}": 0 for axis in ("sb", "sh", "ss", "rb", "rh")})
     if stream is None:
-        return (u8, u8, u8, u8, exact_dummy, no_codebook), (0, 0, 0.0), (0,) * 13
+        return args
     if stream.is_exact:
         ring = stream.exact
         x = ring.buffers["exact"]
-        pointers = (u8, u8, u8, u8, x, no_codebook)
-        return pointers, (ring.capacity, 0, 0.0), (0,) * 10 + tuple(x.stride()[:3])
+        args[f"{prefix}_exact_ptr"] = x
+        args[f"{prefix}_cap"] = ring.capacity
+        args.update(zip((f"{prefix}_stride_{a}" for a in ("xb", "xh", "xs")), x.stride()[:3]))
+        return args
     part = stream.parts[0]
     ring, qz = part.ring, part.quantizer
     buffers = ring.buffers
     norms = buffers["norms"]
-    codes = buffers.get("codes", u8.expand(1, 1, 1, 1))
-    signs = buffers.get("signs", u8.expand(1, 1, 1, 1))
-    rnorms = buffers.get("rnorms", u8.expand(1, 1, 1))
-    centroids = numerics.kernel_centroids(qz, device)
-    pointers = (codes, norms, signs, rnorms, exact_dummy, centroids)
-    qjl_dim, qjl_scale = (qz.qjl_dim, float(qz.qjl_scale)) if qz.has_qjl else (0, 0.0)
-    sizes = (ring.capacity, qjl_dim, qjl_scale)
-    strides = (
-        *codes.stride()[:3],
-        *norms.stride()[:2],
-        *signs.stride()[:3],
-        *rnorms.stride()[:2],
-        0,
-        0,
-        0,
+    args[f"{prefix}_norms_ptr"] = norms
+    args[f"{prefix}_cap"] = ring.capacity
+    args.update(zip((f"{prefix}_stride_{a}" for a in ("nb", "nh")), norms.stride()[:2]))
+    if "codes" in buffers:
+        codes = buffers["codes"]
+        args[f"{prefix}_codes_ptr"] = codes
+        args.update(zip((f"{prefix}_stride_{a}" for a in ("cb", "ch", "cs")), codes.stride()[:3]))
+    if table is None:
+        args[f"{prefix}{codebook}"] = numerics.kernel_centroids(qz, device)
+    if prefix == "k" and qz.has_qjl:
+        signs, rnorms = buffers["signs"], buffers["rnorms"]
+        args.update(k_signs_ptr=signs, k_rnorms_ptr=rnorms)
+        args.update(k_sketch_dim=qz.qjl_dim, k_qjl_scale=float(qz.qjl_scale))
+        args.update(zip(("k_stride_sb", "k_stride_sh", "k_stride_ss"), signs.stride()[:3]))
+        args.update(zip(("k_stride_rb", "k_stride_rh"), rnorms.stride()[:2]))
+    return args
+
+
+def _exact_source(prefix: str, args: dict) -> dict:
+    """The exact values of ``args`` (a :func:`stream_arguments` of exact values) renamed to
+    ``prefix``: what the band and the sink read where the layer keeps no values of their own."""
+    keys = ("exact_ptr", "cap", "stride_xb", "stride_xh", "stride_xs")
+    source = (
+        args["v_exact_ptr"],
+        args["v_cap"],
+        *(args[f"v_stride_{a}"] for a in ("xb", "xh", "xs")),
     )
-    return pointers, sizes, strides
+    return dict(zip((f"{prefix}_{key}" for key in keys), source))
+
+
+def sink_arguments(state, v_args: dict, device, exact_dtype) -> dict:
+    """The attention kernel's arguments of the exact sink, by keyword: its keys, and its values
+    (the sink's own, or the main exact values of ``v_args`` for a layer whose values are exact:
+    ``limits.check_state``), with their strides and the values' ring capacity."""
+    dummy = _dummy(device, exact_dtype)
+    keys = state.sink_keys if state.sink_keys is not None else dummy
+    key_strides = keys.stride()[:3] if state.sink_keys is not None else (0, 0, 0)
+    if state.sink_values is not None:
+        values, capacity = state.sink_values, state.sink_values.shape[2]
+        value_strides = state.sink_values.stride()[:3]
+    elif state.n_sink:
+        values, capacity = v_args["v_exact_ptr"], v_args["v_cap"]
+        value_strides = tuple(v_args[f"v_stride_{axis}"] for axis in ("xb", "xh", "xs"))
+    else:
+        values, capacity, value_strides = dummy, 1, (0, 0, 0)
+    return {
+        "sink_k_ptr": keys,
+        "sink_v_ptr": values,
+        "sink_v_cap": capacity,
+        **dict(zip(("sink_stride_kb", "sink_stride_kh", "sink_stride_ks"), key_strides)),
+        **dict(zip(("sink_stride_vb", "sink_stride_vh", "sink_stride_vs"), value_strides)),
+    }
 
 
 def _check_tiles(stream, name: str) -> None:
@@ -329,24 +382,11 @@ def attention(
         band_v_mode = 1 if state.band_values.is_exact else 2
     rows = rows.contiguous()
 
-    k_ptrs, k_sizes, k_strides = _ring_arguments(keys, device, exact_dtype)
-    v_ptrs, v_sizes, v_strides = _ring_arguments(values, device, exact_dtype)
-    bk_ptrs, bk_sizes, bk_strides = _ring_arguments(state.band_keys, device, exact_dtype)
-    bv_ptrs, bv_sizes, bv_strides = _ring_arguments(state.band_values, device, exact_dtype)
-    # a layer whose values are exact has no band or sink values: those pairs read the main ones
-    main_exact_values = (v_ptrs[4], v_sizes[0], v_strides[10:13])
-    bv_exact, bv_cap, bv_exact_strides = bv_ptrs[4], max(bv_sizes[0], 1), bv_strides[10:13]
-    if band_k_mode > 0 and band_v_mode == 0:  # exact values (limits.check_state)
-        bv_exact, bv_cap, bv_exact_strides = main_exact_values
-    sink_k = state.sink_keys if state.sink_keys is not None else _dummy(device, exact_dtype)
-    sink_k_strides = sink_k.stride()[:3] if state.sink_keys is not None else (0, 0, 0)
-    if state.sink_values is not None:
-        sink_v, sv_cap = state.sink_values, state.sink_values.shape[2]
-        sink_v_strides = state.sink_values.stride()[:3]
-    elif state.n_sink:  # exact values (limits.check_state)
-        sink_v, sv_cap, sink_v_strides = main_exact_values
-    else:
-        sink_v, sv_cap, sink_v_strides = sink_k, 1, (0, 0, 0)
+    # the streams, each described once (stream_arguments), passed to the kernel by keyword
+    v_args = stream_arguments("v", values, device, exact_dtype)
+    bv_args = stream_arguments("bv", state.band_values, device, exact_dtype)
+    if band_k_mode > 0 and band_v_mode == 0:  # exact values (limits.check_state): the main ones
+        bv_args.update(_exact_source("bv", v_args))
     mask_tensor, has_mask, causal, window, mask_len, mask_offset, mask_strides = _mask_arguments(
         mask, device
     )
@@ -363,7 +403,7 @@ def attention(
     value_width = max(head_dim, v_dim, bv_dim)
     block_v, value_blocks = geo.value_block(value_width), geo.value_blocks(value_width)
     acc_width = block_v * value_blocks
-    config = geo.attention_config(acc_width)
+    config = geo.attention_config(acc_width, bool(formats["k_qjl"]))
     first = state.first
     if causal and window:
         first = max(first, state.start - window + 1)
@@ -386,22 +426,22 @@ def attention(
         _centroid_table(stream, device, config.score_codebook_dtype)
         for stream in (keys, state.band_keys)
     )
+    mb, mt, mk = mask_strides
     attention_kernel[grid](
-        rows, q_main, q_main_scale, q_sketch, q_band, q_band_scale, mean, band_mean,
-        *k_ptrs[:5], k_table, v_ptrs[0], v_ptrs[1], v_ptrs[4], v_ptrs[5],
-        bk_ptrs[0], bk_ptrs[1], bk_ptrs[4], bk_table,
-        bv_ptrs[0], bv_ptrs[1], bv_exact, bv_ptrs[5],
-        sink_k, sink_v, mask_tensor, part_m, part_l, part_acc,
-        kv_heads, group, n_rows, state.start, first, state.end,
-        n_splits, part, split_lo,
-        value_blocks, state.n_sink, state.band, causal, window, has_mask, mask_len, mask_offset,
-        *mask_strides, float(scale), float(softcap or 0.0),
-        *k_sizes, *k_strides,
-        *v_strides[:3], *v_strides[3:5], *v_strides[10:13],
-        max(bk_sizes[0], 1), bv_cap,
-        *bk_strides[:3], *bk_strides[3:5], *bk_strides[10:13],
-        *bv_strides[:3], *bv_strides[3:5], *bv_exact_strides,
-        *sink_k_strides, *sink_v_strides, sv_cap,
+        q_raw_ptr=rows, q_main_ptr=q_main, q_main_scale_ptr=q_main_scale, q_sketch_ptr=q_sketch,
+        q_band_ptr=q_band, q_band_scale_ptr=q_band_scale, mean_ptr=mean, band_mean_ptr=band_mean,
+        **stream_arguments("k", keys, device, exact_dtype, k_table),
+        **v_args,
+        **stream_arguments("bk", state.band_keys, device, exact_dtype, bk_table),
+        **bv_args,
+        **sink_arguments(state, v_args, device, exact_dtype),
+        mask_ptr=mask_tensor, part_m_ptr=part_m, part_l_ptr=part_l, part_acc_ptr=part_acc,
+        kv_heads=kv_heads, group=group, n_rows=n_rows, start=state.start, first=first,
+        end=state.end, n_splits=n_splits, partition=part, split_lo=split_lo,
+        value_blocks=value_blocks, n_sink=state.n_sink, band=state.band, causal=causal,
+        window=window, has_mask=has_mask, mask_len=mask_len, mask_offset=mask_offset,
+        stride_mb=mb, stride_mt=mt, stride_mk=mk, scale=float(scale),
+        softcap=float(softcap or 0.0),
         **formats,
         SOFTCAP=int(bool(softcap and softcap > 0)),
         BLOCK_V=block_v,

@@ -92,20 +92,23 @@ class AttentionConfig:
 #: may change this).
 ATTENTION_CONFIG = AttentionConfig(4, True)
 #: The one alternative: the scores on the CUDA cores in eight warps, for the formats whose
-#: tensor-core specialization does not compile within ATTENTION_MAX_REGISTERS without spilling
-#: (tests/test_kernels_aot.py lists which; :func:`attention_config` picks by format, never by
+#: tensor-core specialization spills far more (QJL keys, accumulators wider than 128 columns;
+#: tests/test_kernels_aot.py compiles them; :func:`attention_config` picks by format, never by
 #: timing).
 CUDA_CORE_CONFIG = AttentionConfig(8, False)
 #: Accumulators wider than this many columns take :data:`CUDA_CORE_CONFIG`.
 TENSOR_CORE_MAX_WIDTH = 128
 
 
-def attention_config(acc_width: int) -> AttentionConfig:
+def attention_config(acc_width: int, qjl: bool = False) -> AttentionConfig:
     """The configuration of a layer whose accumulator is ``acc_width`` columns wide (over its
-    value blocks): :data:`ATTENTION_CONFIG`, or :data:`CUDA_CORE_CONFIG` past
-    :data:`TENSOR_CORE_MAX_WIDTH`. A function of the format alone, so a model compiles at most
-    one specialization per layer format and step kind."""
-    return ATTENTION_CONFIG if acc_width <= TENSOR_CORE_MAX_WIDTH else CUDA_CORE_CONFIG
+    value blocks) and whose keys carry QJL signs or not: :data:`ATTENTION_CONFIG`, or
+    :data:`CUDA_CORE_CONFIG` for QJL keys or past :data:`TENSOR_CORE_MAX_WIDTH`. A function of
+    the format alone, so a model compiles at most one specialization per layer format and step
+    kind."""
+    if qjl or acc_width > TENSOR_CORE_MAX_WIDTH:
+        return CUDA_CORE_CONFIG
+    return ATTENTION_CONFIG
 
 
 def partial_bytes(rows: int, acc_width: int) -> int:

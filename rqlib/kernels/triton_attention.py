@@ -267,46 +267,149 @@ def store_partial(
     tl.store(acc_ptrs, acc, mask=as_mask(row_mask & (m_i > float("-inf")))[:, None])
 
 
+#: what a stream's loop reads of each (row, key) pair (compile-time ``KIND`` of
+#: :func:`stream_loop`): the main stream the pairs outside the recent band, the band the pairs
+#: inside it, the sink every pair of its keys
+MAIN = tl.constexpr(0)
+BAND = tl.constexpr(1)
+SINK = tl.constexpr(2)
+
+
+@triton.jit
+def stream_loop(
+    # the loop's keys lo .. hi - 1, and what it reads of each (row, key) pair
+    lo, hi, KIND: tl.constexpr, band, BAND_ON: tl.constexpr,
+    # the program's rows: (position, head of the group) pairs
+    rows, row_mask, positions, q_rows, group,
+    # the query side: exact rows, rows rotated for this stream's codes with their per-row
+    # scale, the QJL sketch of the rotated rows, and <q, mu>
+    q_raw_ptr, q_ptr, q_scale_ptr, q_sketch_ptr, mean_ptr,
+    # keys: codes, norm stream, signs, residual norms, exact vectors (pointers at this
+    # program's batch row and KV head), the table of centroid pairs, the ring's capacity and
+    # the slot strides
+    k_codes, k_norms, k_signs, k_rnorms, k_vectors, k_table, k_cap,
+    k_stride_cs, k_stride_ss, k_stride_xs, k_sketch_dim, k_qjl_scale,
+    # values: codes, norm stream, exact vectors, codebook, and the capacity of the exact ring
+    # they are read from (``V_OWN_SLOTS``: the keys' slots instead)
+    v_codes, v_norms, v_vectors, v_centroids, v_cap, v_stride_cs, v_stride_xs,
+    # masks
+    causal, window, has_mask, mask_b, stride_mt, stride_mk, mask_len, mask_offset,
+    score_scale, softcap_base2, v_col0,
+    # compile-time: the stream's formats (0 for exact vectors), and how its keys are found
+    k_exact: tl.constexpr, k_dim: tl.constexpr, k_bits: tl.constexpr,
+    k_code_bytes: tl.constexpr, k_qjl: tl.constexpr, k_width: tl.constexpr,
+    v_exact: tl.constexpr, v_dim: tl.constexpr, v_bits: tl.constexpr,
+    v_code_bytes: tl.constexpr, v_width: tl.constexpr, V_OWN_SLOTS: tl.constexpr,
+    RING: tl.constexpr, head_dim: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr, SCORE_TENSOR_CORES: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of the rows over one stream's keys ``lo .. hi - 1``, tile by tile:
+    scores (codes, with QJL signs, or exact), the masks, the softmax step, the values weighted in
+    place. ``RING``: keys live in a ring (slot ``p % capacity``, whole aligned tiles read
+    without load masks, :func:`aligned_start`); else at their positions (the sink). Returns
+    ``(m, l, acc)``."""
+    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
+    mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
+    q_scale = tl.load(q_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
+    qjl_scale = k_qjl_scale * score_scale
+    if RING:
+        tile_lo, slot_lo = aligned_start(lo, hi, k_cap, BLOCK_S)
+    else:
+        tile_lo, slot_lo = lo, 0
+    for tile in range(tile_lo, hi, BLOCK_S):
+        tile_keys = tile + tl.arange(0, BLOCK_S)
+        if RING:
+            slots, slot_lo = ring_tile(tile, slot_lo, k_cap, BLOCK_S)
+            loaded = every_key(BLOCK_S)
+        else:
+            slots, loaded = tile_keys, tile_keys < hi
+        keys, in_range = tile_range(tile, lo, hi, BLOCK_S)
+        if k_exact != 0:
+            scores = exact_scores(
+                q_raw_ptr, q_rows, row_mask, head_dim, k_vectors, slots, k_stride_xs, loaded,
+                BLOCK_ROWS, BLOCK_S, CHUNK,
+            ) * score_scale  # fmt: skip
+        else:
+            norms = load_norms(k_norms, slots, k_width)
+            scores = code_scores(
+                q_ptr, q_rows, row_mask, k_dim, k_codes, slots, k_stride_cs, loaded,
+                k_bits, k_code_bytes, k_table, BLOCK_ROWS, BLOCK_S, CHUNK,
+                group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES, True,
+            ) * norms[None, :]  # fmt: skip
+            scores = scores * q_scale[:, None] + mean[:, None]
+            if k_qjl > 0:
+                rnorms = load_norms(k_rnorms, slots, k_width)
+                qjl = sign_scores(
+                    q_sketch_ptr, q_rows, row_mask, k_sketch_dim, k_signs, slots, k_stride_ss,
+                    loaded, BLOCK_ROWS, BLOCK_S, CHUNK,
+                )  # fmt: skip
+                scores = scores + qjl * (rnorms * qjl_scale)[None, :]
+        visible = visible_pairs(
+            keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
+            stride_mt, stride_mk, mask_len, mask_offset,
+        )  # fmt: skip
+        # each pair is read from one stream (without a branch, as in visible_pairs)
+        if KIND == MAIN:
+            outside_band = (keys <= positions[:, None] - band) | (keys > positions[:, None])
+            visible = visible * (outside_band | (not BAND_ON)).to(tl.int8)
+        if KIND == BAND:
+            inside_band = (keys > positions[:, None] - band) & (keys <= positions[:, None])
+            visible = visible * inside_band.to(tl.int8)
+        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
+        v_slots = slots if V_OWN_SLOTS else tile_keys % v_cap
+        if v_exact != 0:
+            v_tile = exact_values(
+                v_vectors, v_slots, v_stride_xs, loaded, head_dim, v_col0, BLOCK_V
+            )
+            acc = tl.dot(p, v_tile, acc, input_precision="ieee")
+        else:  # sum_j (p_j ||v_j||) c_j, the products on tensor cores
+            v_norms_tile = load_norms(v_norms, v_slots, v_width)
+            centroids = code_values(
+                v_codes, v_slots, v_stride_cs, loaded, v_bits, v_code_bytes, v_centroids,
+                v_dim, v_col0, BLOCK_V,
+            )  # fmt: skip
+            acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
+    return m_i, l_i, acc
+
+
 @triton.jit
 def attention_kernel(
     # query side, fp32, one row per (batch, KV head, position, head of the group); the rows
     # read against codes scaled by a power of two per row (q_main_scale, q_band_scale)
     q_raw_ptr, q_main_ptr, q_main_scale_ptr, q_sketch_ptr, q_band_ptr, q_band_scale_ptr,
     mean_ptr, band_mean_ptr,
-    # main keys: codes, norm stream, QJL signs and residual-norm stream, or exact vectors; the
-    # keys' codebooks are tables of centroid pairs (*_table_ptr: rqlib.kernels.numerics.
-    # kernel_table) of fp16 centroids, or float32 for the scores on the CUDA cores
-    k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr, k_exact_ptr, k_table_ptr,
-    # main values: codes and norm stream, or exact vectors; the values' centroids
-    # (*_centroids_ptr) are an fp16 codebook (rqlib.kernels.numerics.kernel_centroids)
-    v_codes_ptr, v_norms_ptr, v_exact_ptr, v_centroids_ptr,
-    # recent band: keys (codes and norm stream, or exact), values (codes, or exact vectors:
-    # the band's own or, for a layer whose values are exact, the main ones)
-    bk_codes_ptr, bk_norms_ptr, bk_exact_ptr, bk_table_ptr,
-    bv_codes_ptr, bv_norms_ptr, bv_exact_ptr, bv_centroids_ptr,
+    # each stream (k main keys, v main values, bk the band's keys, bv its values): codes, norm
+    # stream, exact vectors, the keys' tables of centroid pairs (*_table_ptr: rqlib.kernels.
+    # numerics.kernel_table, fp16 centroids or float32 for the scores on the CUDA cores) or
+    # the values' fp16 codebook (*_centroids_ptr), the ring's capacity and the strides of its
+    # buffers (codes b/h/slot, norms b/h, exact b/h/slot)
+    k_codes_ptr, k_norms_ptr, k_exact_ptr, k_table_ptr, k_cap,
+    k_stride_cb, k_stride_ch, k_stride_cs, k_stride_nb, k_stride_nh,
+    k_stride_xb, k_stride_xh, k_stride_xs,
+    # the main keys' QJL signs and residual norms, sketch dimension and scale
+    k_signs_ptr, k_rnorms_ptr, k_stride_sb, k_stride_sh, k_stride_ss, k_stride_rb, k_stride_rh,
+    k_sketch_dim, k_qjl_scale,
+    v_codes_ptr, v_norms_ptr, v_exact_ptr, v_centroids_ptr, v_cap,
+    v_stride_cb, v_stride_ch, v_stride_cs, v_stride_nb, v_stride_nh,
+    v_stride_xb, v_stride_xh, v_stride_xs,
+    bk_codes_ptr, bk_norms_ptr, bk_exact_ptr, bk_table_ptr, bk_cap,
+    bk_stride_cb, bk_stride_ch, bk_stride_cs, bk_stride_nb, bk_stride_nh,
+    bk_stride_xb, bk_stride_xh, bk_stride_xs,
+    # the band's values (codes, or exact vectors: the band's own or, for a layer whose values
+    # are exact, the main ones)
+    bv_codes_ptr, bv_norms_ptr, bv_exact_ptr, bv_centroids_ptr, bv_cap,
+    bv_stride_cb, bv_stride_ch, bv_stride_cs, bv_stride_nb, bv_stride_nh,
+    bv_stride_xb, bv_stride_xh, bv_stride_xs,
     # exact sink keys [B, KV, n_sink_slots, d] and their values (the sink's or the main ones)
-    sink_k_ptr, sink_v_ptr,
+    sink_k_ptr, sink_v_ptr, sink_stride_kb, sink_stride_kh, sink_stride_ks,
+    sink_stride_vb, sink_stride_vh, sink_stride_vs, sink_v_cap,
     # mask tensor (uint8 view of a bool tensor) and partial results
     mask_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     # shapes and positions
     kv_heads, group, n_rows, start, first, end, n_splits, partition, split_lo, value_blocks,
     n_sink, band, causal, window, has_mask, mask_len, mask_offset, stride_mb, stride_mt, stride_mk,
     scale, softcap,
-    # main keys: ring capacity, QJL sketch dimension and scale, strides
-    k_cap, k_sketch_dim, k_qjl_scale,
-    stride_kcb, stride_kch, stride_kcs, stride_knb, stride_knh,
-    stride_ksb, stride_ksh, stride_kss, stride_krb, stride_krh,
-    stride_kxb, stride_kxh, stride_kxs,
-    # main values
-    stride_vcb, stride_vch, stride_vcs, stride_vnb, stride_vnh, stride_vxb, stride_vxh, stride_vxs,
-    # the band's keys and values
-    b_cap, bv_cap,
-    stride_bkcb, stride_bkch, stride_bkcs, stride_bknb, stride_bknh,
-    stride_bkxb, stride_bkxh, stride_bkxs,
-    stride_bvcb, stride_bvch, stride_bvcs, stride_bvnb, stride_bvnh,
-    stride_bvxb, stride_bvxh, stride_bvxs,
-    # sink keys and values: strides and the values' ring capacity
-    stride_skb, stride_skh, stride_sks, stride_svb, stride_svh, stride_svs, sv_cap,
     # compile-time: whether the scores are softcapped (their cap: softcap)
     SOFTCAP: tl.constexpr,
     # compile-time: the layer's storage formats (rqlib.kernels.limits.attention_formats)
@@ -325,7 +428,8 @@ def attention_kernel(
     SCORE_TENSOR_CORES: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over one split of the keys for one block of rows and one block of value
-    columns, one loop per stream; see the module doc."""
+    columns: :func:`stream_loop` over the main stream, the band and the sink, each writing its
+    partial result; see the module doc."""
     pid_bh = tl.program_id(0)
     pid_rows = tl.program_id(1)
     pid_split = tl.program_id(2) // value_blocks
@@ -334,11 +438,8 @@ def attention_kernel(
     b = (pid_bh // kv_heads).to(tl.int64)
     kvh = (pid_bh % kv_heads).to(tl.int64)
 
-    ROWS: tl.constexpr = BLOCK_ROWS  # query rows a program serves
-    rows = pid_rows * ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = pid_rows * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
-    n_parts = n_splits
-    part = pid_split
     q_rows = pid_bh.to(tl.int64) * n_rows + rows  # index into the query-side arrays
     positions = start + rows // group  # query position of each row
     mask_b = mask_ptr + b * stride_mb
@@ -346,8 +447,8 @@ def attention_kernel(
     softcap_base2 = softcap * LOG2E
 
     # keys this program reads: its split, cut to what the rows of the block can see
-    last_row = tl.minimum(pid_rows * ROWS + ROWS, n_rows) - 1
-    block_lo = start + (pid_rows * ROWS) // group
+    last_row = tl.minimum(pid_rows * BLOCK_ROWS + BLOCK_ROWS, n_rows) - 1
+    block_lo = start + (pid_rows * BLOCK_ROWS) // group
     block_hi = start + last_row // group  # last query position of the block
     k_begin = tl.maximum(first, split_lo + pid_split * partition)
     k_end = tl.minimum(end, split_lo + (pid_split + 1) * partition)
@@ -361,70 +462,28 @@ def attention_kernel(
     main_hi = k_end
     if (causal != 0) & (band_k_mode > 0):  # later keys are in every row's band (or masked)
         main_hi = tl.minimum(k_end, block_hi - band + 1)
-    k_codes = k_codes_ptr + b * stride_kcb + kvh * stride_kch
-    k_norms = k_norms_ptr + b * stride_knb + kvh * stride_knh
-    k_signs = k_signs_ptr + b * stride_ksb + kvh * stride_ksh
-    k_rnorms = k_rnorms_ptr + b * stride_krb + kvh * stride_krh
-    k_x = k_exact_ptr + b * stride_kxb + kvh * stride_kxh
-    v_codes = v_codes_ptr + b * stride_vcb + kvh * stride_vch
-    v_norms = v_norms_ptr + b * stride_vnb + kvh * stride_vnh
-    v_x = v_exact_ptr + b * stride_vxb + kvh * stride_vxh
-    # <q, mu> (zeros: no mean), and the rows' scales, each times score_scale
-    mean = tl.load(mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
-    q_main_scale = tl.load(q_main_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
-    qjl_scale = k_qjl_scale * score_scale
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
-    tile_lo, slot_lo = aligned_start(main_lo, main_hi, k_cap, BLOCK_S)
-    loaded = every_key(BLOCK_S)
-    for tile in range(tile_lo, main_hi, BLOCK_S):
-        slots, slot_lo = ring_tile(tile, slot_lo, k_cap, BLOCK_S)
-        keys, in_range = tile_range(tile, main_lo, main_hi, BLOCK_S)
-        if k_exact != 0:
-            scores = exact_scores(
-                q_raw_ptr, q_rows, row_mask, head_dim, k_x, slots, stride_kxs, loaded,
-                BLOCK_ROWS, BLOCK_S, CHUNK,
-            )  # fmt: skip
-            scores = scores * score_scale
-        else:
-            norms = load_norms(k_norms, slots, k_width)
-            scores = code_scores(
-                q_main_ptr, q_rows, row_mask, k_dim, k_codes, slots, stride_kcs, loaded,
-                k_bits, k_code_bytes, k_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
-                group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES, True,
-            ) * norms[None, :]  # fmt: skip
-            if k_qjl > 0:
-                rnorms = load_norms(k_rnorms, slots, k_width)
-                qjl = sign_scores(
-                    q_sketch_ptr, q_rows, row_mask, k_sketch_dim, k_signs, slots, stride_kss,
-                    loaded,
-                    BLOCK_ROWS, BLOCK_S, CHUNK,
-                )  # fmt: skip
-                scores = scores * q_main_scale[:, None] + qjl * (rnorms * qjl_scale)[None, :]
-                scores = scores + mean[:, None]
-            else:
-                scores = scores * q_main_scale[:, None] + mean[:, None]
-        visible = visible_pairs(
-            keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
-            stride_mt, stride_mk, mask_len, mask_offset,
-        )  # fmt: skip
-        # band pairs are read from the band (without a branch, as in visible_pairs)
-        before_band = keys <= positions[:, None] - band
-        not_band = before_band | (keys > positions[:, None]) | (band_k_mode == 0)
-        visible = visible * not_band.to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
-        weights = p
-        if v_exact != 0:
-            v_tile = exact_values(v_x, slots, stride_vxs, loaded, head_dim, v_col0, BLOCK_V)
-            acc = tl.dot(weights, v_tile, acc, input_precision="ieee")
-        else:  # sum_j (p_j ||v_j||) c_j, the products on tensor cores
-            v_norms_tile = load_norms(v_norms, slots, v_width)
-            centroids = code_values(
-                v_codes, slots, stride_vcs, loaded, v_bits, v_code_bytes, v_centroids_ptr,
-                v_dim, v_col0, BLOCK_V,
-            )  # fmt: skip
-            acc = split_dot(weights * v_norms_tile[None, :], centroids, acc)
+    m_i, l_i, acc = stream_loop(
+        main_lo, main_hi, MAIN, band, band_k_mode > 0,
+        rows, row_mask, positions, q_rows, group,
+        q_raw_ptr, q_main_ptr, q_main_scale_ptr, q_sketch_ptr, mean_ptr,
+        k_codes_ptr + b * k_stride_cb + kvh * k_stride_ch,
+        k_norms_ptr + b * k_stride_nb + kvh * k_stride_nh,
+        k_signs_ptr + b * k_stride_sb + kvh * k_stride_sh,
+        k_rnorms_ptr + b * k_stride_rb + kvh * k_stride_rh,
+        k_exact_ptr + b * k_stride_xb + kvh * k_stride_xh,
+        k_table_ptr, k_cap, k_stride_cs, k_stride_ss, k_stride_xs, k_sketch_dim, k_qjl_scale,
+        v_codes_ptr + b * v_stride_cb + kvh * v_stride_ch,
+        v_norms_ptr + b * v_stride_nb + kvh * v_stride_nh,
+        v_exact_ptr + b * v_stride_xb + kvh * v_stride_xh,
+        v_centroids_ptr, v_cap, v_stride_cs, v_stride_xs,
+        causal, window, has_mask, mask_b, stride_mt, stride_mk, mask_len, mask_offset,
+        score_scale, softcap_base2, v_col0,
+        k_exact, k_dim, k_bits, k_code_bytes, k_qjl, k_width,
+        v_exact, v_dim, v_bits, v_code_bytes, v_width, True,
+        True, head_dim, SOFTCAP, BLOCK_ROWS, BLOCK_S, BLOCK_V, CHUNK, SCORE_TENSOR_CORES,
+    )  # fmt: skip
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, 0, row_mask, m_i, l_i,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 0, row_mask, m_i, l_i,
         acc, v_col0, acc_width, BLOCK_V,
     )  # fmt: skip
 
@@ -433,85 +492,50 @@ def attention_kernel(
     band_hi = tl.minimum(k_end, block_hi + 1)
     if band_k_mode == 0:
         band_hi = band_lo  # no band: an empty loop
-    bk_codes = bk_codes_ptr + b * stride_bkcb + kvh * stride_bkch
-    bk_norms = bk_norms_ptr + b * stride_bknb + kvh * stride_bknh
-    bk_x = bk_exact_ptr + b * stride_bkxb + kvh * stride_bkxh
-    bv_codes = bv_codes_ptr + b * stride_bvcb + kvh * stride_bvch
-    bv_norms = bv_norms_ptr + b * stride_bvnb + kvh * stride_bvnh
-    bv_x = bv_exact_ptr + b * stride_bvxb + kvh * stride_bvxh
-    band_mean = tl.load(band_mean_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
-    q_band_scale = tl.load(q_band_scale_ptr + q_rows, mask=row_mask, other=0.0) * score_scale
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
-    tile_lo, slot_lo = aligned_start(band_lo, band_hi, b_cap, BLOCK_S)
-    loaded = every_key(BLOCK_S)
-    for tile in range(tile_lo, band_hi, BLOCK_S):
-        slots, slot_lo = ring_tile(tile, slot_lo, b_cap, BLOCK_S)
-        keys, in_range = tile_range(tile, band_lo, band_hi, BLOCK_S)
-        if band_k_mode == 2:  # keys as codes
-            norms = load_norms(bk_norms, slots, bk_width)
-            scores = code_scores(
-                q_band_ptr, q_rows, row_mask, bk_dim, bk_codes, slots, stride_bkcs, loaded,
-                bk_bits, bk_code_bytes, bk_table_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
-                group_loads(bk_bits, bk_dim, CHUNK), SCORE_TENSOR_CORES, True,
-            ) * norms[None, :]  # fmt: skip
-            scores = scores * q_band_scale[:, None] + band_mean[:, None]
-        else:
-            scores = exact_scores(
-                q_raw_ptr, q_rows, row_mask, head_dim, bk_x, slots, stride_bkxs, loaded,
-                BLOCK_ROWS, BLOCK_S, CHUNK,
-            )  # fmt: skip
-            scores = scores * score_scale
-        visible = visible_pairs(
-            keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
-            stride_mt, stride_mk, mask_len, mask_offset,
-        )  # fmt: skip
-        after_band_start = keys > positions[:, None] - band
-        visible = visible * (after_band_start & (keys <= positions[:, None])).to(tl.int8)
-        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
-        weights = p
-        if BAND_VALUE_CODES:
-            v_norms_tile = load_norms(bv_norms, slots, bv_width)
-            centroids = code_values(
-                bv_codes, slots, stride_bvcs, loaded, bv_bits, bv_code_bytes, bv_centroids_ptr,
-                bv_dim, v_col0, BLOCK_V,
-            )  # fmt: skip
-            acc = split_dot(weights * v_norms_tile[None, :], centroids, acc)
-        else:
-            tile_keys = tile + tl.arange(0, BLOCK_S)
-            v_tile = exact_values(
-                bv_x, tile_keys % bv_cap, stride_bvxs, loaded, head_dim, v_col0, BLOCK_V
-            )
-            acc = tl.dot(weights, v_tile, acc, input_precision="ieee")
+    m_i, l_i, acc = stream_loop(
+        band_lo, band_hi, BAND, band, True,
+        rows, row_mask, positions, q_rows, group,
+        q_raw_ptr, q_band_ptr, q_band_scale_ptr, q_sketch_ptr, band_mean_ptr,
+        bk_codes_ptr + b * bk_stride_cb + kvh * bk_stride_ch,
+        bk_norms_ptr + b * bk_stride_nb + kvh * bk_stride_nh,
+        k_signs_ptr, k_rnorms_ptr,
+        bk_exact_ptr + b * bk_stride_xb + kvh * bk_stride_xh,
+        bk_table_ptr, bk_cap, bk_stride_cs, 0, bk_stride_xs, 0, 0.0,
+        bv_codes_ptr + b * bv_stride_cb + kvh * bv_stride_ch,
+        bv_norms_ptr + b * bv_stride_nb + kvh * bv_stride_nh,
+        bv_exact_ptr + b * bv_stride_xb + kvh * bv_stride_xh,
+        bv_centroids_ptr, bv_cap, bv_stride_cs, bv_stride_xs,
+        causal, window, has_mask, mask_b, stride_mt, stride_mk, mask_len, mask_offset,
+        score_scale, softcap_base2, v_col0,
+        band_k_mode != 2, bk_dim, bk_bits, bk_code_bytes, 0, bk_width,
+        not BAND_VALUE_CODES, bv_dim, bv_bits, bv_code_bytes, bv_width, BAND_VALUE_CODES,
+        True, head_dim, SOFTCAP, BLOCK_ROWS, BLOCK_S, BLOCK_V, CHUNK, SCORE_TENSOR_CORES,
+    )  # fmt: skip
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, 1, row_mask, m_i, l_i,
-        acc, v_col0, acc_width, BLOCK_V, tl.minimum(slot_lo, 0),  # a slot: >= 0
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 1, row_mask, m_i, l_i,
+        acc, v_col0, acc_width, BLOCK_V, tl.minimum(band_lo, 0),  # a key: >= 0
     )  # fmt: skip
 
     # 3. the sink: keys j < n_sink, exact
     sink_hi = tl.minimum(k_end, n_sink)
-    sink_k = sink_k_ptr + b * stride_skb + kvh * stride_skh
-    sink_v = sink_v_ptr + b * stride_svb + kvh * stride_svh
-    m_i, l_i, acc = fresh_softmax(BLOCK_ROWS, BLOCK_S, BLOCK_V)
-    for tile in range(k_begin, sink_hi, BLOCK_S):
-        tile_keys = tile + tl.arange(0, BLOCK_S)
-        stored = tile_keys < sink_hi
-        scores = exact_scores(
-            q_raw_ptr, q_rows, row_mask, head_dim, sink_k, tile_keys, stride_sks, stored,
-            BLOCK_ROWS, BLOCK_S, CHUNK,
-        )  # fmt: skip
-        scores = scores * score_scale
-        keys, in_range = tile_range(tile, k_begin, sink_hi, BLOCK_S)
-        visible = visible_pairs(
-            keys, in_range, rows, row_mask, positions, group, causal, window, has_mask, mask_b,
-            stride_mt, stride_mk, mask_len, mask_offset,
-        )  # fmt: skip
-        p, m_i, l_i, acc = softmax_step(scores, visible, softcap_base2, m_i, l_i, acc, SOFTCAP)
-        v_tile = exact_values(
-            sink_v, tile_keys % sv_cap, stride_svs, stored, head_dim, v_col0, BLOCK_V
-        )
-        acc = tl.dot(p, v_tile, acc, input_precision="ieee")
+    m_i, l_i, acc = stream_loop(
+        k_begin, sink_hi, SINK, band, False,
+        rows, row_mask, positions, q_rows, group,
+        q_raw_ptr, q_main_ptr, q_main_scale_ptr, q_sketch_ptr, mean_ptr,
+        k_codes_ptr, k_norms_ptr, k_signs_ptr, k_rnorms_ptr,
+        sink_k_ptr + b * sink_stride_kb + kvh * sink_stride_kh,
+        k_table_ptr, 1, 0, 0, sink_stride_ks, 0, 0.0,
+        v_codes_ptr, v_norms_ptr,
+        sink_v_ptr + b * sink_stride_vb + kvh * sink_stride_vh,
+        v_centroids_ptr, sink_v_cap, 0, sink_stride_vs,
+        causal, window, has_mask, mask_b, stride_mt, stride_mk, mask_len, mask_offset,
+        score_scale, softcap_base2, v_col0,
+        True, 0, 0, 0, 0, 0,
+        True, 0, 0, 0, 0, False,
+        False, head_dim, SOFTCAP, BLOCK_ROWS, BLOCK_S, BLOCK_V, CHUNK, SCORE_TENSOR_CORES,
+    )  # fmt: skip
     store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_parts, part, 2, row_mask, m_i, l_i,
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_rows, n_splits, pid_split, 2, row_mask, m_i, l_i,
         acc, v_col0, acc_width, BLOCK_V, tl.minimum(sink_hi, 0),  # a key: >= 0
     )  # fmt: skip
 
