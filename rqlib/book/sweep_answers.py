@@ -53,9 +53,7 @@ def ranking_agreement(
     differ = [setting for setting in orders[0] if orders[0][setting] != orders[1][setting]]
     names = (metric_label(first), metric_label(second))
     if not differ:
-        phrase = (
-            f"{names[0]} and {names[1]} order the values of {columns} the same way in every one"
-        )
+        phrase = f"the two orders of {columns} never differ here"
     else:
         examples = []
         for setting in differ[:3]:
