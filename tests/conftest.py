@@ -207,8 +207,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     audit = config.stash.get(AUDIT, None)
     if audit is None:
         return
-    args = " ".join(a for a in config.invocation_params.args if not a.startswith("--audit"))
-    text = summary(audit, f"python -m pytest {args}")
+    text = summary(audit, "python -m pytest " + " ".join(config.invocation_params.args))
     terminalreporter.write_sep("=", "flakiness audit")
     terminalreporter.write(text)
     out = config.getoption("audit_out")

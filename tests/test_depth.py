@@ -176,19 +176,21 @@ def test_second_order_kl_approaches_the_exact_kl_for_small_errors(rng, record_st
 
 @pytest.mark.randomized
 def test_mse_slope_on_random_keys_is_the_predicted_shrinkage(rng, record_statistic):
-    # isotropic keys and queries: the pooled slope estimates 1 - D (chapter 1). Over 40 seeds
-    # its deviation from 1 - D had sd 0.0011 for MSE and 0.0022 for prod (QJL adds noise);
-    # the tolerances are about 5 sd (two-sided p < 1e-6 each), well below the gap 1 - (1 - D)
-    # = 0.034 that tells a biased estimator from an unbiased one.
+    # isotropic keys and queries: the pooled slope estimates 1 - D (chapter 1). Over 200 random
+    # seeds its deviation from 1 - D had sd 0.0014 for MSE and 0.0025 for prod (QJL adds noise;
+    # sd from the median absolute deviation, tests/audit/randomized-200.txt). The tolerances
+    # are 6.4 sd, or 5.5 sd should the sd be 16 % larger than measured (two-sided normal tail
+    # 4e-8 each), well below the gap 1 - (1 - D) = 0.034 that tells a biased estimator from an
+    # unbiased one.
     query, key, value = qkv(rng, tokens=256, heads=8, kv=4, d=64)
     seed = int(torch.randint(0, 999, (1,), generator=rng))
     quantizer = make_quantizer("turboquant-mse", 64, 3, seed=seed)
     errors = layer_errors(query, key, value, quantizer, 0.125)
     shrinkage = mse_shrinkage(quantizer.codebook.distortion)
-    record_statistic("|MSE slope - (1 - D)|", abs(errors.slope - shrinkage), 0.006)
+    record_statistic("|MSE slope - (1 - D)|", abs(errors.slope - shrinkage), 0.009)
     prod = make_quantizer("turboquant-prod", 64, 3, seed=seed)
     prod_slope = layer_errors(query, key, value, prod, 0.125).slope
-    record_statistic("|prod slope - 1|", abs(prod_slope - 1), 0.012)
+    record_statistic("|prod slope - 1|", abs(prod_slope - 1), 0.016)
 
 
 def test_layer_errors_rejects_bad_input(rng):
