@@ -26,6 +26,7 @@ be identical either way.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import pytest
@@ -33,7 +34,8 @@ import torch
 from tiny_models import VOCAB, ByteTokenizer, preset_config, tiny_model
 
 from rqlib.hf import compress
-from rqlib.kernels import numerics
+from rqlib.kernels import launch, numerics
+from rqlib.kernels.limits import StreamFormat, attention_formats
 from rqlib.spec import codecs
 from rqlib.spec.presets import PRESETS
 
@@ -52,6 +54,13 @@ def kernel_codebooks(monkeypatch):
     )
 
 
+#: the compile-time arguments that describe a layer's storage format
+FORMAT_KEYS = {
+    *attention_formats(64, StreamFormat(exact=True), StreamFormat(exact=True)),
+    "SOFTCAP",
+}
+
+
 def stored_codes(cache) -> list[torch.Tensor]:
     """Every stored code and norm byte of every layer (to see whether a code flipped)."""
     out = []
@@ -60,6 +69,31 @@ def stored_codes(cache) -> list[torch.Tensor]:
             for ring in stream.rings:
                 out.extend(t.clone() for name, t in sorted(ring.buffers.items()) if name != "exact")
     return out
+
+
+class Specializations:
+    """Stands in for ``launch.attention_kernel`` and records, per launch, the layer format it
+    serves (the format's compile-time arguments, the dtype of its exact vectors) and what it
+    would compile: every compile-time argument and option."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.compiled, self.formats = kernel, set(), set()
+
+    def __getitem__(self, grid):
+        def launch_(**kwargs):
+            names = set(inspect.signature(self.kernel.fn).parameters)
+            run_time = {k for k in kwargs if k in names and not _is_constexpr(self.kernel, k)}
+            compile_time = tuple(sorted((k, v) for k, v in kwargs.items() if k not in run_time))
+            dtype = kwargs["sink_k_ptr"].dtype
+            self.compiled.add((compile_time, dtype))
+            self.formats.add((tuple((k, v) for k, v in compile_time if k in FORMAT_KEYS), dtype))
+            return self.kernel[grid](**kwargs)
+
+        return launch_
+
+
+def _is_constexpr(kernel, name: str) -> bool:
+    return "constexpr" in str(inspect.signature(kernel.fn).parameters[name].annotation)
 
 
 def run(model, config, ids, mask, backend: str):
@@ -84,7 +118,15 @@ def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second row is left-padded by 3 tokens
     tokens, logits, codes = run(model, config, ids, mask, "torch")
-    kernel_tokens, kernel_logits, kernel_codes = run(model, config, ids, mask, "triton")
+    specializations = Specializations(launch.attention_kernel)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "attention_kernel", specializations)
+        kernel_tokens, kernel_logits, kernel_codes = run(model, config, ids, mask, "triton")
+    # one specialization per layer format, for the prompt and every decode step alike: none
+    # per context length or step kind
+    compiled, formats = specializations.compiled, specializations.formats
+    print(f"{len(compiled)} specializations for {len(formats)} layer formats")
+    assert len(compiled) == len(formats) >= 1
     flipped = sum(int((a != b).sum()) for a, b in zip(codes, kernel_codes))
     difference = (kernel_logits - logits).abs().max().item()
     print(f"max logit difference {difference:.2e}; stored bytes that differ: {flipped}")

@@ -111,3 +111,21 @@ def test_occupancy_follows_the_cuda_rules(regs, shared, warps, arch, blocks, lim
     result = occupancy(regs, shared, warps, arch)
     assert (result["blocks"], result["limit"]) == (blocks, limit)
     assert result["occupancy"] == blocks * warps / SM_LIMITS[arch]["warps"]
+
+
+def test_positions_and_lengths_do_not_specialize_the_attention_kernel():
+    """Triton compiles a variant of a kernel for each integer argument that is, or is not, a
+    multiple of 16, unless told otherwise: the attention kernel's positions, lengths and split
+    sizes change at every decode step, so they must not specialize it (else a generation
+    compiles new kernels as its context grows). Read from the real JITFunction, in a process
+    without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "from rqlib.kernels.triton_attention import attention_kernel as k\n"
+        "print(' '.join(p.name for p in k.params if p.do_not_specialize))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    unspecialized = set(done.stdout.split())
+    assert {"start", "first", "end", "partition", "split_lo", "n_rows"} <= unspecialized

@@ -373,7 +373,16 @@ def stream_loop(
     return m_i, l_i, acc
 
 
-@triton.jit
+#: the run-time integers that change from step to step (positions, lengths, the splits' keys):
+#: Triton would otherwise compile a variant for each that is, or is not, a multiple of 16, so
+#: that a generation compiled new kernels as its context grew
+STEP_INTEGERS = (
+    "start", "first", "end", "n_rows", "partition", "split_lo", "n_sink", "mask_len",
+    "mask_offset", "k_cap", "v_cap", "bk_cap", "bv_cap", "sink_v_cap",
+)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=STEP_INTEGERS)
 def attention_kernel(
     # query side, fp32, one row per (batch, KV head, position, head of the group); the rows
     # read against codes scaled by a power of two per row (q_main_scale, q_band_scale)
