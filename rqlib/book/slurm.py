@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -35,6 +34,10 @@ import submitit
 import yaml
 from tqdm.auto import tqdm
 
+from rqlib.book.slurm_queue import (
+    SlurmUnavailableError,
+    queue_states,
+)
 from rqlib.book.sweep import (
     SweepRun,
     execute_and_record,
@@ -53,14 +56,6 @@ __all__ = [
     "submit_sweep",
     "wait_for_sweep",
 ]
-
-#: Queue states of a job that has not started yet, and of one that is executing.
-WAITING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"})
-RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING"})
-
-
-class SlurmUnavailableError(OSError):
-    """Slurm's commands are missing or its controller does not answer (the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -212,35 +207,6 @@ def submit_sweep(
             records, run.run_id, job_id=str(submitted.job_id), log=str(submitted.paths.stderr)
         )
     return jobs
-
-
-def queue_states(job_ids: list[str]) -> dict[str, str]:
-    """The queue state (``PENDING``, ``RUNNING``, ``CANCELLED``...) of each of ``job_ids``
-    that Slurm still lists; a job it no longer lists is absent.
-
-    Raises :class:`SlurmUnavailableError` with ``squeue``'s message when the queue cannot be
-    read.
-    """
-    if shutil.which("squeue") is None:
-        raise SlurmUnavailableError(
-            "squeue is not on PATH: the state of the sweep's Slurm jobs cannot be read"
-        )
-    listed = subprocess.run(
-        ["squeue", "--noheader", "--states=all", "--format=%i|%T"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if listed.returncode != 0:
-        message = " ".join(listed.stderr.split()) or f"exit status {listed.returncode}"
-        raise SlurmUnavailableError(f"squeue failed, so the jobs' states are unknown: {message}")
-    wanted = set(job_ids)
-    states = {}
-    for line in listed.stdout.splitlines():
-        job_id, _, state = line.strip().partition("|")
-        if job_id in wanted:
-            states[job_id] = state
-    return states
 
 
 def wait_for_sweep(

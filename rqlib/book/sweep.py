@@ -511,7 +511,7 @@ def _reconcile(record: dict[str, Any], live_jobs: Mapping[str, str]) -> dict[str
     if state not in ("queued", "running"):
         return record
     if record.get("executor") == "slurm" and job_id:
-        from rqlib.book.slurm import RUNNING_STATES, WAITING_STATES
+        from rqlib.book.slurm_queue import RUNNING_STATES, WAITING_STATES
 
         queue_state = live_jobs.get(job_id)
         if queue_state in WAITING_STATES:
@@ -550,7 +550,7 @@ def sweep_status(directory: Path) -> list[dict[str, Any]]:
             f"{directory} holds no sweep records (expected {directory / RUNS_FOLDER}/<chapter>/"
             "<run_id>.json, written by python -m rqlib sweep)"
         )
-    from rqlib.book.slurm import queue_states
+    from rqlib.book.slurm_queue import queue_states
 
     records = []
     for path in paths:
