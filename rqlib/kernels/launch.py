@@ -301,6 +301,15 @@ def split_plan(span: int, programs: int, device, partition: int | None) -> tuple
     return splits, geo.split_partition(span, splits, block)
 
 
+def _zeros(device, n: int) -> torch.Tensor:
+    """``n`` float32 zeros on ``device``, made once per size and never written: a ``<q, mu>``
+    of a stream without a mean, read by the kernel without a fill at every step."""
+    key = (torch.device(device), "zeros", n)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(n, dtype=torch.float32, device=device)
+    return _DUMMIES[key]
+
+
 def decode_partials(device, total_rows: int, n_splits: int, acc_width: int):
     """``m``, ``l`` and the accumulators of ``n_splits`` splits of ``total_rows`` rows, which
     the reduce merges: made once per device and shape and reused by every launch (a decode
@@ -358,7 +367,7 @@ def attention(
     rows = rows.reshape(batch, kv_heads, n_rows, head_dim)
     zeros = _dummy(device, torch.float32)
     q_main, q_main_scale, q_sketch = zeros, zeros, zeros
-    mean = rows.new_zeros(batch, kv_heads, n_rows)  # <q, mu>
+    mean = no_mean = _zeros(device, batch * kv_heads * n_rows)  # <q, mu>: none
     if not keys.is_exact:
         qz = keys.parts[0].quantizer
         constants = numerics.stream_constants(keys, device)
@@ -369,7 +378,7 @@ def attention(
             q_sketch = (rotated @ constants.sketch.T).contiguous()
         if constants.mean is not None:
             mean = (rows * constants.mean[None, :, None]).sum(-1).contiguous()
-    q_band, q_band_scale, band_mean = zeros, zeros, rows.new_zeros(batch, kv_heads, n_rows)
+    q_band, q_band_scale, band_mean = zeros, zeros, no_mean
     band_k_mode = band_v_mode = 0
     if state.band_keys is not None:
         band_k_mode = 1 if state.band_keys.is_exact else 2
