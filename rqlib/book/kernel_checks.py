@@ -500,19 +500,15 @@ def benchmark(args: argparse.Namespace, device: str = "cuda") -> pd.DataFrame:
 def attention_sources() -> list:
     """The excerpts of ``rqlib.kernels.triton_attention`` that the chapter shows after the
     online softmax's equations (:func:`rqlib.book.source.show_source`): the keys of a tile,
-    one softmax step, the walk over one stream's tiles, and the reduce's merge of the partial
-    results. The walk is ``stream_loop`` where the kernel has one function for the three
-    streams, else the sink's loop of ``attention_kernel`` (the shortest of the three)."""
+    one softmax step, the walk over one stream's tiles (``stream_loop``, which the kernel calls
+    for the main stream, the band and the sink), and the reduce's merge of the partial
+    results."""
     from rqlib.book.source import show_source
     from rqlib.kernels import triton_attention as kernel
 
-    if hasattr(kernel, "stream_loop"):
-        walk = show_source(kernel.stream_loop, start="m_i, l_i, acc = fresh_softmax(")
-    else:
-        walk = show_source(kernel.attention_kernel, start="# 3. the sink", stop="store_partial(")
     return [
         show_source(kernel.tile_range),
         show_source(kernel.softmax_step),
-        walk,
+        show_source(kernel.stream_loop, start="m_i, l_i, acc = fresh_softmax("),
         show_source(kernel.reduce_kernel, start="m_max = tl.load(part_m_ptr"),
     ]
