@@ -1,7 +1,8 @@
 """Count the instructions a compiled decode step issues per key, without a GPU.
 
-A decode step is fast when it is bound by memory: the GPU must be able to issue every
-instruction the step needs for one key in the time HBM takes to deliver that key's bytes.
+A decode step can run at the speed of HBM only if the GPU can issue every instruction the
+step needs for one key in the time HBM takes to deliver that key's bytes (a necessary
+condition, not a sufficient one: occupancy, latency and the host's work decide the rest).
 Both sides can be counted without a GPU. The bytes come from the storage format. The
 instructions come from the machine code (SASS) that ptxas produces for the attention kernel:
 
