@@ -94,3 +94,15 @@ def test_benchmark_refuses_to_run_without_a_gpu(monkeypatch):
     )
     with pytest.raises(RuntimeError, match="CUDA"):
         kernel_checks.benchmark(args)
+
+
+def test_the_attention_sources_are_the_kernel_s_own_lines():
+    """The excerpts the chapter shows after the online softmax: tile_range, the softmax step,
+    the loop over one stream's tiles (which calls the softmax step) and the reduce's merge; a
+    kernel rewrite that moves a marker fails here, not in the book build."""
+    excerpts = kernel_checks.attention_sources()
+    assert [e.path.rsplit("/", 1)[-1] for e in excerpts] == ["triton_attention.py"] * 4
+    tile, step, walk, merge = (e.text for e in excerpts)
+    assert "def tile_range(" in tile and "def softmax_step(" in step
+    assert "for tile in range(" in walk and "softmax_step(" in walk
+    assert merge.lstrip().startswith("m_max = tl.load(part_m_ptr")
