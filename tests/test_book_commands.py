@@ -72,6 +72,8 @@ def kind(command: str) -> str:
         return "cheap" if "notebooks/05_sweeps.ipynb" in words else "static"
     if words[:4] == [words[0], "-m", "rqlib", "sweep"] and program.startswith("python"):
         return "sweep"
+    if words[:5] == [words[0], "-m", "rqlib", "bench", "gpu"] and program.startswith("python"):
+        return "static"  # needs CUDA; tests/test_gpu_bench.py runs its steps on the CPU
     if words[:4] == [words[0], "-m", "rqlib", "bench"] and program.startswith("python"):
         return "cheap"  # on a CPU it prints the byte model
     if words[:4] == [words[0], "-m", "rqlib", "render"] and program.startswith("python"):
