@@ -171,14 +171,15 @@ def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng, reco
     chunked = torch.cat(parts, dim=1)
     effect = (whole - model(ids).logits).abs().max().item()
     record_statistic("effect (max |logit change|)", effect, 1e-3, at_least=True)  # it is on
-    # Agreement to 1% of the compression's own effect. Most draws agree to ~1e-7, but the
+    # Agreement to 10 % of the compression's own effect. Most draws agree to ~1e-7, but the
     # quantizer rotates 20 keys at once, or 13 and then 1, in fp32: a coordinate within that
     # rounding of a decision boundary can take the neighbouring code in one run (one draw in
-    # about 40: 4.4e-4, 1/600 of the effect, at the queries that read that key). A band placed
-    # relative to the chunk instead of each query moves them by 0.16-0.26 (three draws), the
-    # size of the effect itself. A flip is the only chance event here; the audit over 200
-    # random seeds (tests/audit/) measures how close the worst draw comes to the 1 %.
-    record_statistic("max |chunked - whole| / effect", (chunked - whole).abs().max() / effect, 1e-2)
+    # about 40). Over 1,200 draws of the gemma3 cases the worst such flip moved the logits by
+    # 0.027 of the effect (RQLIB_TEST_SEED=3051071768 with wb=5, which failed the former 1 %),
+    # the next worst by 0.006; 10 % leaves 3.7x over the worst seen (a margin measured, not a
+    # derived rate). A band placed relative to the chunk instead of each query moves them by
+    # 0.16-0.26 (three draws), the size of the effect itself: ten times the bound.
+    record_statistic("max |chunked - whole| / effect", (chunked - whole).abs().max() / effect, 0.1)
 
 
 def _reference_attention(
