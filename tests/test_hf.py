@@ -325,9 +325,12 @@ def test_channel_scaling_is_divided_out_in_scores_and_decode(rng, record_statist
         assert torch.allclose(codec.scores(q, compressed), via_decode, atol=1e-3, rtol=1e-4)
         if check_exact:
             # 8 bits: D ~ 4e-5, so the score error is ~1e-2 of |q| |a k| / sqrt(d), amplified
-            # by at most ~e^1.5 through 1/a; 5% of the largest score bounds it with margin
+            # through 1/a; its largest over 72 scores, relative to the largest score, is heavy
+            # tailed (a coordinate in an outer code cell): median 0.0095, worst 0.068 over 5,000
+            # draws (one above the former bound 5 %). 0.25 is 3.7x over the worst seen (a margin
+            # measured, not a derived rate); a decode that keeps the scale fails it
             relative = (via_decode - exact).abs().max() / exact.abs().max()
-            record_statistic("8-bit max |score error| / max |score|", relative, 0.05)
+            record_statistic("8-bit max |score error| / max |score|", relative, 0.25)
     with pytest.raises(ValueError, match="positive"):
         VectorCodec(codec.parts, dim, scale=-scale)
 
@@ -419,11 +422,14 @@ def test_an_8_bit_band_is_stored_as_codes_and_read(rng, record_statistic):
     # tokens of 8-bit codes (64 bytes + 2 of norm); 2 layers x 1 KV head
     assert stored == 2 * 2 * (40 * 26 + 8 * 66)
     # an 8-bit band moves the logits far less than a 2-bit one (relative error per vector
-    # ~0.6 % against ~34 %); both move them (the band codes are really read)
+    # ~0.6 % against ~34 %); both move them (the band codes are really read). The ratio of the
+    # largest moves is one draw's: median 0.033, worst 0.083 over 700 draws (0.1 was 1.2x
+    # away); 0.3 is 3.6x over the worst seen (a margin measured, not a derived rate), and a
+    # band stored at 2 bits instead of 8 gives 1
     coded_move = (coded_band - exact_band).abs().max()
     assert coded_move > 0
     record_statistic(
-        "8-bit / 2-bit band's logit move", coded_move / (coarse_band - exact_band).abs().max(), 0.1
+        "8-bit / 2-bit band's logit move", coded_move / (coarse_band - exact_band).abs().max(), 0.3
     )
 
 
