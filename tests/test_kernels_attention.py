@@ -338,9 +338,9 @@ def test_a_state_the_kernel_cannot_serve_is_refused(rng):
         kernels.check_layer(split, None)
     layer = CompressedLayer(0, split, None)
     layer.active = True
-    layer.update(torch.randn(1, 1, 5, d), torch.randn(1, 1, 5, d))
+    layer.update(torch.randn(1, 1, 5, d, generator=rng), torch.randn(1, 1, 5, d, generator=rng))
     mask = CausalMask(1, 0, 5, 0, 5)
-    q = torch.randn(1, 2, 5, d)
+    q = torch.randn(1, 2, 5, d, generator=rng)
     with pytest.raises(ValueError, match="outlier channel split"):
         kernels.attention(layer.state(), q, mask, scale=0.1, backend="triton")
     # the torch implementation serves it
@@ -349,9 +349,9 @@ def test_a_state_the_kernel_cannot_serve_is_refused(rng):
     keys, values = (codec(("turboquant-mse", bits, {}), d, rng) for bits in (3, 2))
     layer = CompressedLayer(0, keys, values, n_sink=1, recent_window=4)
     layer.active = True
-    layer.update(torch.randn(1, 1, 9, d), torch.randn(1, 1, 9, d))
+    layer.update(torch.randn(1, 1, 9, d, generator=rng), torch.randn(1, 1, 9, d, generator=rng))
     mask = CausalMask(1, 0, 9, 0, 9)
-    q = torch.randn(1, 2, 9, d)
+    q = torch.randn(1, 2, 9, d, generator=rng)
     for missing, message in (
         ("band_values", "without band values"),
         ("sink_values", "without sink"),
