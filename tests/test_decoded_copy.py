@@ -47,10 +47,21 @@ def decode(model, config, ids, *, copy_from: int | None, corrupt: bool = False):
     return torch.cat(logits, 1)
 
 
+#: The corrupted copy must move some logit by more than this. Over 200 random seeds of each of
+#: the three models (tests/audit/randomized-200-decoded-copy.txt, ``make test-seeds``) the
+#: largest move was at least 0.21 and at the median 0.36-0.42: the bound lies 200 times below
+#: the smallest draw seen, a margin no draw of a correct cache comes near (an attention that
+#: ignored the copy would move nothing, 0).
+MOVED = 1e-3
+
+
+@pytest.mark.randomized
 @pytest.mark.parametrize(
     ("kind", "preset"), [("llama", "rq-3.5"), ("gemma3", "rq-2.5"), ("qwen2", "rq-3")]
 )
-def test_decode_steps_read_the_copy_and_give_the_same_logits_bit_for_bit(kind, preset, rng):
+def test_decode_steps_read_the_copy_and_give_the_same_logits_bit_for_bit(
+    kind, preset, rng, record_statistic
+):
     model = tiny_model(kind, seed_of(rng))
     config = preset_config(preset, model)
     ids = torch.randint(1, 256, (1, PREFILL + STEPS), generator=rng)
@@ -60,7 +71,8 @@ def test_decode_steps_read_the_copy_and_give_the_same_logits_bit_for_bit(kind, p
     corrupted = decode(model, config, ids, copy_from=0, corrupt=True)
     moved = (corrupted - without).abs().max().item()
     print(f"{kind} {preset}: largest logit change with a corrupted copy {moved:.3g}")
-    assert moved > 1e-3  # the attention reads the copy (the noise is 0.05 per coordinate)
+    # the attention reads the copy (the noise is 0.05 per coordinate)
+    record_statistic("largest logit change with a corrupted copy", moved, MOVED, at_least=True)
 
 
 def test_the_copy_is_not_counted_as_stored_and_is_reserved_at_its_size(rng):
