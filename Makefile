@@ -41,7 +41,8 @@ test: $(STAMP) lint
 N ?= 200
 test-seeds: $(STAMP)
 	mkdir -p tests/audit
-	nice -n 10 $(BIN)/python -m pytest tests -q -p no:cacheprovider -m randomized --seeds $(N) \
+	nice -n 10 $(BIN)/python -m pytest tests -q -p no:cacheprovider -m "randomized and not model" \
+		--seeds $(N) \
 		--audit-out tests/audit/randomized-$(N).txt $(if $(FORCE),--audit-force)
 
 # Chapter 5's sweep of chapter 4, regenerated at the current code from a clean tree: the runs

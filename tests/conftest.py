@@ -13,11 +13,17 @@ correct code (at most 1e-6 per run) and how that probability was derived. The fa
 audit can show how close to its bound each statistic comes:
 
     make test-seeds N=200
-    # = pytest -m randomized --seeds 200 --audit-out tests/audit/randomized-200.txt
+    # = pytest -m "randomized and not model" --seeds 200 --audit-out tests/audit/randomized-200.txt
+
+(randomized tests that run a packaged model take seconds each; they are audited on their own,
+over fewer seeds: ``pytest -m "randomized and model" --seeds 40 --audit-out ...``).
 
 ``--seeds N`` runs every marked test once per random seed (N fresh seeds, one pytest process);
 the summary lists each test's failures, with their seeds, and each statistic's spread over
-the seeds next to its bound.
+the seeds next to its bound. From 1,000 seeds up, it also extrapolates the probability that
+one run lands beyond the bound, from a generalized Pareto law fitted to the worst tenth of the
+values (the standard peaks-over-threshold estimate of a tail): that is how a bound set from a
+measured spread gets a stated false-failure rate.
 """
 
 import os
@@ -25,6 +31,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -53,7 +61,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the --seeds summary to PATH (refused if PATH exists, unless --audit-force)",
     )
     group.addoption(
-        "--audit-force", action="store_true", help="let --audit-out replace an existing file"
+        "--audit-values",
+        default=None,
+        metavar="PATH",
+        help="also write every statistic's values over the seeds to PATH (JSON), to refit them",
+    )
+    group.addoption(
+        "--audit-force",
+        action="store_true",
+        help="let --audit-out and --audit-values replace existing files",
     )
 
 
@@ -69,6 +85,35 @@ class Statistic:
     bound: float
     at_least: bool
     values: list[float] = field(default_factory=list)
+
+
+TAIL_FIT_MIN_RUNS = 1_000  # fewer values leave the fitted tail's shape too uncertain
+TAIL_SHARE = 0.1  # the fit uses the values beyond the 90th percentile
+
+
+def tail_rate(values: list[float], bound: float, at_least: bool) -> tuple[float, float, float]:
+    """P(one run's value lies beyond ``bound``) from a generalized Pareto law fitted (maximum
+    likelihood) to the excesses over the 90th percentile: the fitted rate, the rate with the
+    shape at its upper 2-standard-error value (a heavier tail, same scale: the fit's
+    uncertainty), and the fitted shape ξ (ξ > 0 a power-law tail, 0 exponential, < 0 a tail
+    with an end point). A bound among the fitted tenth gets the empirical share beyond it."""
+    from scipy.stats import genpareto
+
+    worse = torch.tensor(values, dtype=torch.float64) * (-1 if at_least else 1)
+    limit = -bound if at_least else bound
+    threshold = torch.quantile(worse, 1 - TAIL_SHARE).item()
+    excess = (worse[worse > threshold] - threshold).numpy()
+    shape, _, scale = genpareto.fit(excess, floc=0)
+    shape = float(shape)
+    if limit <= threshold:
+        share = (worse > limit).double().mean().item()
+        return share, share, shape
+    share = len(excess) / len(values)
+    heavier = shape + 2 * (1 + shape) / math.sqrt(len(excess))  # MLE: SE(ξ) ≈ (1 + ξ)/√k
+    rate, rate_heavier = (
+        share * float(genpareto.sf(limit - threshold, xi, 0, scale)) for xi in (shape, heavier)
+    )
+    return rate, rate_heavier, shape
 
 
 @dataclass
@@ -95,14 +140,18 @@ def pytest_configure(config: pytest.Config) -> None:
     n = config.getoption("seeds")
     if n < 0:
         raise pytest.UsageError(f"--seeds must be a positive count, got {n}")
-    out = config.getoption("audit_out")
-    if out is not None:
+    for option in ("audit_out", "audit_values"):
+        out = config.getoption(option)
+        if out is None:
+            continue
+        flag = "--" + option.replace("_", "-")
         if n == 0:
-            raise pytest.UsageError("--audit-out needs --seeds N")
+            raise pytest.UsageError(f"{flag} needs --seeds N")
         try:
             check_writable(out, overwrite=config.getoption("audit_force"))
         except (FileExistsError, OSError, ValueError) as error:
-            raise pytest.UsageError(f"--audit-out: {error} (--audit-force replaces it)") from None
+            message = str(error).replace("--force", "--audit-force")  # pytest's option name
+            raise pytest.UsageError(f"{flag}: {message}") from None
     if n:
         config.stash[AUDIT] = Audit(seeds=[fresh_seed() for _ in range(n)])
         # one thread: on a small shared machine, torch's threads contending with other
@@ -181,6 +230,8 @@ def summary(audit: Audit, command: str) -> str:
         f"# {len(tests)} tests x {len(audit.seeds)} fresh random seeds, {failures} failures",
         "# per statistic: min / median / max over the seeds, the bound the test asserts, and",
         "# how close the worst seed came to it (worst/bound for <= bounds, bound/worst for >=)",
+        f"# from {TAIL_FIT_MIN_RUNS} seeds up, the false-failure rate extrapolated by a tail fit",
+        "# (a generalized Pareto law fitted to the worst tenth of the values)",
         "",
     ]
     for key in tests:
@@ -200,6 +251,12 @@ def summary(audit: Audit, command: str) -> str:
                 f"    {name}: {min(values):.4g} / {statistics.median(values):.4g} / "
                 f"{max(values):.4g}  {relation} {stat.bound:.4g}  closest {closeness:.3f}"
             )
+            if len(values) >= TAIL_FIT_MIN_RUNS:
+                rate, rate_heavier, shape = tail_rate(values, stat.bound, stat.at_least)
+                lines.append(
+                    f"      tail fit (shape {shape:+.2f}): P(beyond the bound) per run = "
+                    f"{rate:.2g}, {rate_heavier:.2g} with the shape 2 SE heavier"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -214,3 +271,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if out is not None:
         atomic_write_text(Path(out), text)
         terminalreporter.write_line(f"audit summary written to {out}")
+    values_out = config.getoption("audit_values")
+    if values_out is not None:
+        values = {
+            key: {name: stat.values for name, stat in per_test.items()}
+            for key, per_test in audit.statistics.items()
+        }
+        atomic_write_text(Path(values_out), json.dumps(values, indent=1) + "\n")
+        terminalreporter.write_line(f"statistics' values written to {values_out}")
