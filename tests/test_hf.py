@@ -151,16 +151,12 @@ def test_left_padded_batch_matches_sdpa(kind, rng):
     assert torch.equal(generated, expected)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("band", ["", ":wb=5"])
-@pytest.mark.randomized
-def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng, record_statistic):
-    # The band is relative to each query, so feeding the tokens in chunks (as decoding does)
-    # must give the same logits as one prefill, whether the band is exact or kept as codes.
-    # fp64 makes the keys of both runs equal to ~1e-15.
+def _chunked_against_whole(kind: str, spec: str, rng) -> tuple[float, float]:
+    """One draw: the largest logit change the cache makes, and the largest difference between
+    feeding the tokens as one prefill and as a 13-token chunk then one token at a time."""
+    # fp64 makes the keys of both runs equal to ~1e-15
     model = tiny_model(kind, seed_of(rng), dtype=torch.float64)
     ids = random_ids(rng, 1, 20)
-    spec = "turboquant-mse:k2:v3:sink1:win4" + band
     with torch.no_grad():
         with compress(model, spec) as cache:
             whole = model(ids, cache=cache).logits
@@ -168,18 +164,40 @@ def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng, reco
             parts = [model(ids[:, :13], cache=cache).logits]
             for position in range(13, 20):
                 parts.append(model(ids[:, position : position + 1], cache=cache).logits)
-    chunked = torch.cat(parts, dim=1)
-    effect = (whole - model(ids).logits).abs().max().item()
+        effect = (whole - model(ids).logits).abs().max().item()
+    return effect, (torch.cat(parts, dim=1) - whole).abs().max().item()
+
+
+# Independent draws of the chunked-against-whole comparison; the test keeps the closest.
+CHUNKED_DRAWS = 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("band", ["", ":wb=5"])
+@pytest.mark.randomized
+def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng, record_statistic):
+    """The band is relative to each query, so feeding the tokens in chunks (as decoding does)
+    must give the same logits as one prefill, whether the band is exact or kept as codes.
+
+    Most draws agree to ~1e-6 of the cache's own effect on the logits. But the quantizer
+    rotates 20 keys at once, or 13 and then 1, in fp32: a coordinate within that rounding of a
+    decision boundary takes the neighbouring code in one run (about one draw in 40), and with
+    5-bit band codes such a flip moved the logits by up to 0.037 of the effect (2,000 single
+    draws a case, six cases). That tail is too heavy to bound one draw at 1e-6 (a generalized
+    Pareto fit put ~1e-5 beyond 10 %), so the test keeps the best of CHUNKED_DRAWS independent
+    draws: a flip explains one draw, a band misplaced relative to the chunk shows in every
+    draw. No single draw of the 2,000 a case came within 2.7x of 10 %: with zero exceedances in
+    n = 2000 the rate per draw is below ln(1000)/n = 3.5e-3 at 99.9 % confidence, so all three
+    beyond 10 % has probability below 4.1e-8 per case (2.5e-7 for the six). A band placed
+    relative to the chunk's last query instead of each query fails every draw: the best of
+    three was 0.18-0.96 of the effect over 20 seeds a case. The audit of the test as written is
+    in tests/audit/randomized-200.txt."""
+    spec = "turboquant-mse:k2:v3:sink1:win4" + band
+    draws = [_chunked_against_whole(kind, spec, rng) for _ in range(CHUNKED_DRAWS)]
+    effect = min(effect for effect, _ in draws)
     record_statistic("effect (max |logit change|)", effect, 1e-3, at_least=True)  # it is on
-    # Agreement to 10 % of the compression's own effect. Most draws agree to ~1e-7, but the
-    # quantizer rotates 20 keys at once, or 13 and then 1, in fp32: a coordinate within that
-    # rounding of a decision boundary can take the neighbouring code in one run (one draw in
-    # about 40). Over 1,200 draws of the gemma3 cases the worst such flip moved the logits by
-    # 0.027 of the effect (RQLIB_TEST_SEED=3051071768 with wb=5, which failed the former 1 %),
-    # the next worst by 0.006; 10 % leaves 3.7x over the worst seen (a margin measured, not a
-    # derived rate). A band placed relative to the chunk instead of each query moves them by
-    # 0.16-0.26 (three draws), the size of the effect itself: ten times the bound.
-    record_statistic("max |chunked - whole| / effect", (chunked - whole).abs().max() / effect, 0.1)
+    closest = min(difference / effect for effect, difference in draws)
+    record_statistic("best of 3: max |chunked - whole| / effect", closest, 0.1)
 
 
 def _reference_attention(
@@ -266,10 +284,9 @@ def test_layer_attention_matches_the_definition(band_bits, rng):
             assert layer.stored_tokens()[name] == 3
 
 
-@pytest.mark.randomized
-def test_centering_and_outliers_are_exact_in_the_score(rng, record_statistic):
-    # <q, k> = <q, k - mu> + <q, mu>: with a mean, scores estimate <q, k> for uncentered keys;
-    # with an 8-bit codec the estimate is close to the exact inner product.
+def _centering_errors(rng) -> tuple[float, float]:
+    """One draw: the largest score error and the largest decode error of an 8-bit codec with a
+    key mean and 8 outlier channels coded apart."""
     dim, kv_heads = 32, 2
     mean = torch.randn(kv_heads, dim, generator=rng) * 3
     outliers = torch.stack(
@@ -280,8 +297,8 @@ def test_centering_and_outliers_are_exact_in_the_score(rng, record_statistic):
     )
     codec = VectorCodec(
         [
-            ChannelPart(make_quantizer("turboquant-mse", 8, 8, seed=1), outliers),
-            ChannelPart(make_quantizer("turboquant-mse", dim - 8, 8, seed=2), rest),
+            ChannelPart(make_quantizer("turboquant-mse", 8, 8, seed=seed_of(rng)), outliers),
+            ChannelPart(make_quantizer("turboquant-mse", dim - 8, 8, seed=seed_of(rng)), rest),
         ],
         dim,
         mean=mean,
@@ -291,13 +308,31 @@ def test_centering_and_outliers_are_exact_in_the_score(rng, record_statistic):
     q = torch.randn(1, 4, 3, dim, generator=rng)
     compressed = codec.encode(keys)
     exact = torch.einsum("bhld,bhsd->bhls", q, keys.repeat_interleave(2, 1))
-    estimate = codec.scores(q, compressed)
-    # 8-bit codes: relative error per coordinate ~1e-2 of the centered norm (~5.7); the largest
-    # error over 120 scores and 640 coordinates is a maximum of one draw, its spread over 200
-    # random seeds is in the audit (tests/audit/)
-    record_statistic("max |score error|", (estimate - exact).abs().max(), 0.5)
-    decoded = codec.decode(compressed)
-    record_statistic("max |decoded - key|", (decoded - keys).abs().max(), 0.2)
+    score_error = (codec.scores(q, compressed) - exact).abs().max().item()
+    return score_error, (codec.decode(compressed) - keys).abs().max().item()
+
+
+# Independent draws of the centering check; the test keeps the smallest error of each kind.
+CENTERING_DRAWS = 3
+
+
+@pytest.mark.randomized
+def test_centering_and_outliers_are_exact_in_the_score(rng, record_statistic):
+    """<q, k> = <q, k - mu> + <q, mu>: with a mean, scores estimate <q, k> for uncentered keys,
+    and outlier channels coded apart are put back in place; with 8-bit codes both the scores
+    and the decoded keys are close to the exact ones.
+
+    One draw's largest error (over 120 scores, or 640 coordinates) is heavy tailed: a
+    coordinate in an outer code cell. Over 5,000 single draws the score error had median 0.090
+    and went beyond 0.5 once (0.63); the decode error had median 0.019, worst 0.089 against
+    0.2. A defect of the mean or the outlier channels shows in every draw, a large error of a
+    correct codec in one, so the test keeps the best of CENTERING_DRAWS draws. With at most one
+    exceedance in n = 5000 the rate per draw is below 9.2/n = 1.8e-3 (Poisson, 99.9 %
+    confidence), and all three draws beyond a bound has probability below 6e-9. Scores that
+    leave out <q, mu> put the best of three at 13-31 (30 seeds)."""
+    draws = [_centering_errors(rng) for _ in range(CENTERING_DRAWS)]
+    record_statistic("best of 3: max |score error|", min(score for score, _ in draws), 0.5)
+    record_statistic("best of 3: max |decoded - key|", min(decode for _, decode in draws), 0.2)
 
 
 @pytest.mark.randomized
@@ -326,9 +361,11 @@ def test_channel_scaling_is_divided_out_in_scores_and_decode(rng, record_statist
         if check_exact:
             # 8 bits: D ~ 4e-5, so the score error is ~1e-2 of |q| |a k| / sqrt(d), amplified
             # through 1/a; its largest over 72 scores, relative to the largest score, is heavy
-            # tailed (a coordinate in an outer code cell): median 0.0095, worst 0.068 over 5,000
-            # draws (one above the former bound 5 %). 0.25 is 3.7x over the worst seen (a margin
-            # measured, not a derived rate); a decode that keeps the scale fails it
+            # tailed (a coordinate in an outer code cell): median 0.0096, worst 0.060 over 10,000
+            # draws (tests/audit/randomized-10000-channel-scaling.txt; one draw in 5,000 was
+            # above the former bound 5 %). A generalized Pareto law fitted to the worst tenth
+            # puts one draw beyond 0.25 at 7e-8 (1.1e-6 with its shape two standard errors
+            # heavier). A decode that keeps the scale fails the allclose above in every draw
             relative = (via_decode - exact).abs().max() / exact.abs().max()
             record_statistic("8-bit max |score error| / max |score|", relative, 0.25)
     with pytest.raises(ValueError, match="positive"):
@@ -423,9 +460,10 @@ def test_an_8_bit_band_is_stored_as_codes_and_read(rng, record_statistic):
     assert stored == 2 * 2 * (40 * 26 + 8 * 66)
     # an 8-bit band moves the logits far less than a 2-bit one (relative error per vector
     # ~0.6 % against ~34 %); both move them (the band codes are really read). The ratio of the
-    # largest moves is one draw's: median 0.033, worst 0.083 over 700 draws (0.1 was 1.2x
-    # away); 0.3 is 3.6x over the worst seen (a margin measured, not a derived rate), and a
-    # band stored at 2 bits instead of 8 gives 1
+    # largest moves is one draw's: median 0.033, worst 0.10 over 5,000 draws
+    # (tests/audit/randomized-5000-8-bit-band.txt; the former bound 0.1 was too tight). A
+    # generalized Pareto law fitted to the worst tenth puts one draw beyond 0.3 at 7e-13 (7e-8
+    # with its shape two standard errors heavier); a band stored at 2 bits instead of 8 gives 1
     coded_move = (coded_band - exact_band).abs().max()
     assert coded_move > 0
     record_statistic(

@@ -20,19 +20,18 @@ from rqlib.study.eval import evaluate
 
 pytestmark = pytest.mark.model
 
-# Our exact path and the model's sdpa are both fp32 computations of the same float64 function;
-# they sum attention in different orders, so they differ from each other by up to 2e-4 on
-# logits of magnitude ~20 (measured over 16 slices of 200 tokens: 5e-5 to 2e-4, and the model's
-# own eager attention differs from its sdpa by 5e-5 to 1.2e-4). A fixed bound between them is
-# either loose or flaky, so each is compared with the model run in float64: our error was 0.8x
-# to 1.6x sdpa's (sdpa's own error 5e-5 to 1.5e-4). A factor of 3 holds that with margin, while
-# a token read from the wrong place or a mask off by one moves logits by more than 1e-2.
-ERROR_RATIO_TOL = 3.0
-# the exact path attends in key blocks with an online softmax in fp32: the same sums as the
-# eager attention in another order. Measured up to 1e-4 at |logit| ~20 (the size of the
-# eager-vs-SDPA difference, ~5e-6 relative); 5e-4 keeps a 5x margin, while a token read from
-# the wrong place or a mask off by one moves logits by more than 1e-2
-EAGER_TOL = 5e-4
+# Our exact path, the model's sdpa and its eager attention are fp32 computations of the same
+# float64 function that sum attention in different orders. Their largest difference over the
+# 200 x 49152 logits is an extreme of rounding errors and heavy tailed: the ratio of our
+# largest error to sdpa's (against the model run in float64) reached 3.35 in 1 of 40 draws.
+# Their root mean square is an average over millions of roundings and barely moves. Over 40
+# random slices of 200 tokens (tests/audit/randomized-40-models.txt): RMS |ours - eager| 7.1e-6
+# to 1.4e-5 (mean 9.0e-6, sd 1.6e-6), and our RMS error over sdpa's 0.84 to 1.47 (mean 1.02,
+# sd 0.099). The bounds below sit 13 and 10 sd from those means, far below 1e-6 for a normal
+# tail. Reading each query's own key from its codes instead of exactly (a band off by one)
+# gives an RMS difference of 0.68 to 0.97 and a ratio near 1e5 (three draws).
+EAGER_RMS_TOL = 3e-5
+ERROR_RATIO_TOL = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,14 @@ def wikitext_ids(smollm2):
     return tokenize_corpus(load_corpus("wikitext-2"), smollm2[1], 4096)
 
 
-def test_smollm2_exact_config_reproduces_logits_and_generation(smollm2, wikitext_ids, rng):
+def rms(x: torch.Tensor) -> float:
+    return x.double().pow(2).mean().sqrt().item()
+
+
+@pytest.mark.randomized
+def test_smollm2_exact_config_reproduces_logits_and_generation(
+    smollm2, wikitext_ids, rng, record_statistic
+):
     model, _ = smollm2
     start = int(torch.randint(0, 3000, (1,), generator=rng))
     ids = wikitext_ids[start : start + 200][None]
@@ -58,17 +64,40 @@ def test_smollm2_exact_config_reproduces_logits_and_generation(smollm2, wikitext
             eager = model(ids).logits
         finally:
             model.config._attn_implementation = "sdpa"
-        assert (logits - eager).abs().max().item() <= EAGER_TOL
+        record_statistic("rms |ours - eager|", rms(logits - eager), EAGER_RMS_TOL)
         truth = copy.deepcopy(model).double()(ids).logits
-        sdpa_error = (reference.double() - truth).abs().max().item()
-        our_error = (logits.double() - truth).abs().max().item()
-        assert our_error <= ERROR_RATIO_TOL * sdpa_error
-        options = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        ratio = rms(logits.double() - truth) / rms(reference.double() - truth)
+        record_statistic("rms error, ours / sdpa's (against fp64)", ratio, ERROR_RATIO_TOL)
+        options = dict(
+            max_new_tokens=20,
+            min_new_tokens=20,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         prompt = ids[:, :60]
         expected = model.generate(prompt, **options)
         with compress(model, "turboquant-mse:k3:v3:win128") as cache:
-            generated = model.generate(prompt, cache=cache, **options)
-    assert torch.equal(generated, expected)
+            generated = model.generate(prompt, cache=cache, **options).sequences
+    assert_same_greedy_tokens(generated[0, 60:], expected.sequences[0, 60:], expected.logits)
+
+
+# Greedy decoding of two fp32 computations of the same logits may part only where the
+# reference's two best logits are within rounding of each other: ten times the largest
+# |ours - eager| seen (1.3e-4 over 30 draws; 2.2e-4 over 40). A token read from the wrong place
+# moves logits by more than 1e-2, and parts the generations wherever the best two are apart.
+NEAR_TIE = 2e-3
+
+
+def assert_same_greedy_tokens(tokens, expected, expected_logits) -> None:
+    """``tokens`` equal ``expected``, or equal up to a step where the reference's best two
+    logits were within NEAR_TIE (a tie that rounding may break either way)."""
+    parted = (tokens != expected).nonzero()
+    if len(parted):
+        step = int(parted[0])
+        best_two = expected_logits[step][0].float().topk(2).values
+        gap = (best_two[0] - best_two[1]).item()
+        assert gap <= NEAR_TIE, f"generations part at step {step}, best two logits {gap:.3g} apart"
 
 
 def test_gemma3_exact_config_reproduces_logits_across_the_sliding_window(wikitext_ids, rng):

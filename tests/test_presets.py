@@ -10,6 +10,7 @@ that ``rq-3.5`` beats plain TurboQuant at the same nominal bits, token by token.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -141,7 +142,8 @@ def test_shipped_table_belongs_to_the_packaged_model():
 
 
 @pytest.mark.model
-def test_presets_run_and_rq35_beats_plain_turboquant_token_by_token(rng):
+@pytest.mark.randomized
+def test_presets_run_and_rq35_beats_plain_turboquant_token_by_token(rng, record_statistic):
     from rqlib.base.corpora import load_corpus, tokenize_corpus
     from rqlib.hf.models import load_model
 
@@ -166,13 +168,22 @@ def test_presets_run_and_rq35_beats_plain_turboquant_token_by_token(rng):
     # run; the count of tokens where rq-3.5 is closer to FP than plain TurboQuant is robust,
     # and under "neither is better" it is Binomial(n, 1/2). One-sided p < 1e-3 is required
     # (tokens of one text are not independent, hence the strict level). The first tokens are
-    # left out: there rq-3.5 reads every key exactly (sink + recent band).
+    # left out: there rq-3.5 reads every key exactly (sink + recent band). The false-failure
+    # rate comes from the spread over 40 random slices (tests/audit/randomized-40-models.txt):
+    # -log10 p had mean 76 (sd 0.9) against plain TurboQuant and 64 (sd 5.0, smallest 49)
+    # against rq-2.5, so the bound 3 lies 84 and 12 sd below; a normal tail puts that far
+    # below 1e-6 (a count of wins over 255 tokens, it has no heavy tail).
     preset = get_preset("rq-3.5")
     exact = preset.n_sink + preset.recent_window
-    wins = int((kl["rq-3.5"][exact:] < kl_plain[exact:]).sum())
     n = kl_plain[exact:].numel()
-    assert binomtest(wins, n, 0.5, alternative="greater").pvalue < 1e-3, (wins, n)
-    assert kl["rq-3.5"].mean() < kl_plain.mean()
-    # The presets are ordered by budget: more bits, closer to FP (the same sign test).
-    wins = int((kl["rq-3.5"][exact:] < kl["rq-2.5"][exact:]).sum())
-    assert binomtest(wins, n, 0.5, alternative="greater").pvalue < 1e-3, (wins, n)
+    for other, kl_other in (("plain TurboQuant 3-bit", kl_plain), ("rq-2.5", kl["rq-2.5"])):
+        # the presets are also ordered by budget: more bits, closer to FP (the same sign test)
+        wins = int((kl["rq-3.5"][exact:] < kl_other[exact:]).sum())
+        p = binomtest(wins, n, 0.5, alternative="greater").pvalue
+        record_statistic(
+            f"sign test -log10 p, rq-3.5 against {other}", -math.log10(p), 3, at_least=True
+        )
+    # the means agree with the counts: over the same 40 slices the ratio of mean KLs was
+    # 0.010 to 0.024, its logarithm mean -4.2, sd 0.20, so the bound 1 lies 21 sd away
+    ratio = kl["rq-3.5"].mean() / kl_plain.mean()
+    record_statistic("mean KL, rq-3.5 / plain TurboQuant 3-bit", ratio, 1.0)
