@@ -32,7 +32,7 @@ from rqlib.spec.config import CompressionConfig
 
 VOCAB = 256
 # fp32 attention summed in a different order than sdpa: differences of a few ulps per score,
-# amplified through a few layers; 1e-4 on logits of magnitude ~1 is the issue's bound.
+# amplified through a few layers; 1e-4 on logits of magnitude ~1 leaves room for those.
 LOGIT_TOL = 1e-4
 
 
@@ -197,7 +197,7 @@ def test_chunked_prefill_and_decode_agree_with_one_prefill(kind, band, rng, reco
     effect = min(effect for effect, _ in draws)
     record_statistic("effect (max |logit change|)", effect, 1e-3, at_least=True)  # it is on
     closest = min(difference / effect for effect, difference in draws)
-    record_statistic("best of 3: max |chunked - whole| / effect", closest, 0.1)
+    record_statistic(f"best of {CHUNKED_DRAWS}: max |chunked - whole| / effect", closest, 0.1)
 
 
 def _reference_attention(
@@ -331,8 +331,9 @@ def test_centering_and_outliers_are_exact_in_the_score(rng, record_statistic):
     confidence), and all three draws beyond a bound has probability below 6e-9. Scores that
     leave out <q, mu> put the best of three at 13-31 (30 seeds)."""
     draws = [_centering_errors(rng) for _ in range(CENTERING_DRAWS)]
-    record_statistic("best of 3: max |score error|", min(score for score, _ in draws), 0.5)
-    record_statistic("best of 3: max |decoded - key|", min(decode for _, decode in draws), 0.2)
+    best = f"best of {CENTERING_DRAWS}"
+    record_statistic(f"{best}: max |score error|", min(score for score, _ in draws), 0.5)
+    record_statistic(f"{best}: max |decoded - key|", min(decode for _, decode in draws), 0.2)
 
 
 @pytest.mark.randomized
@@ -362,8 +363,8 @@ def test_channel_scaling_is_divided_out_in_scores_and_decode(rng, record_statist
             # 8 bits: D ~ 4e-5, so the score error is ~1e-2 of |q| |a k| / sqrt(d), amplified
             # through 1/a; its largest over 72 scores, relative to the largest score, is heavy
             # tailed (a coordinate in an outer code cell): median 0.0096, worst 0.060 over 10,000
-            # draws (tests/audit/randomized-10000-channel-scaling.txt; one draw in 5,000 was
-            # above the former bound 5 %). A generalized Pareto law fitted to the worst tenth
+            # draws (tests/audit/randomized-10000-channel-scaling.txt; a bound of 5 % fails
+            # about one draw in 5,000). A generalized Pareto law fitted to the worst tenth
             # puts one draw beyond 0.25 at 7e-8 (1.1e-6 with its shape two standard errors
             # heavier). A decode that keeps the scale fails the allclose above in every draw
             relative = (via_decode - exact).abs().max() / exact.abs().max()
@@ -461,7 +462,7 @@ def test_an_8_bit_band_is_stored_as_codes_and_read(rng, record_statistic):
     # an 8-bit band moves the logits far less than a 2-bit one (relative error per vector
     # ~0.6 % against ~34 %); both move them (the band codes are really read). The ratio of the
     # largest moves is one draw's: median 0.033, worst 0.10 over 5,000 draws
-    # (tests/audit/randomized-5000-8-bit-band.txt; the former bound 0.1 was too tight). A
+    # (tests/audit/randomized-5000-8-bit-band.txt; a bound of 0.1 would be too tight). A
     # generalized Pareto law fitted to the worst tenth puts one draw beyond 0.3 at 7e-13 (7e-8
     # with its shape two standard errors heavier); a band stored at 2 bits instead of 8 gives 1
     coded_move = (coded_band - exact_band).abs().max()
