@@ -1,0 +1,116 @@
+"""A bitshift trellis code: a sequence quantizer with a granular gain over scalar Lloyd-Max.
+
+A sequence of ``n`` samples is stored as ``n`` symbols of ``k`` bits. The decoder keeps the
+last ``L`` bits of the stream in a shift register (the *state*); each symbol shifts ``k`` new
+bits in, and the sample is read from a table of ``2^L`` values at the new state::
+
+    state_t = ((state_{t-1} << k) | symbol_t) mod 2^L,    x_hat_t = table[state_t]
+
+so decoding is a shift and a lookup per sample (this is the structure of QTIP's trellis). The
+encoder chooses the whole symbol sequence at once, by the Viterbi algorithm over the ``2^L``
+states: from each state only ``2^k`` successors are reachable, and the best path through them
+is found exactly. Steps may differ in width (one ``k`` per sample): a shift of ``k_t`` bits.
+The register starts at 0, so no bits beyond ``k n`` are stored; the first
+``ceil((L - k) / k)`` samples see fewer table values, which the measured distortion includes.
+
+The table holds the ``2^L`` quantiles of a unit Gaussian in a fixed pseudo-random order (seeded),
+so that the values reachable from any state look like independent Gaussian draws.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BitshiftTrellis"]
+
+#: Sequences encoded at once (the back pointers take ``n * chunk * 2^(L - k)`` bytes).
+ENCODE_CHUNK = 4096
+
+
+@functools.cache
+def _table(state_bits: int, seed: int) -> torch.Tensor:
+    levels = 1 << state_bits
+    probabilities = (torch.arange(levels, dtype=torch.float64) + 0.5) / levels
+    values = torch.special.ndtri(probabilities)
+    values = values / values.pow(2).mean().sqrt()  # exactly unit variance
+    order = torch.randperm(levels, generator=torch.Generator().manual_seed(seed))
+    return values[order]
+
+
+@dataclass(frozen=True)
+class BitshiftTrellis:
+    """A bitshift trellis with ``state_bits`` (``L``) bits of state; see the module docstring.
+
+    Symbols of ``k`` bits need ``1 <= k < L``; ``k`` may change from step to step."""
+
+    state_bits: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.state_bits <= 16:
+            raise ValueError(f"state_bits must be in 2..16, got {self.state_bits!r}")
+
+    @property
+    def table(self) -> torch.Tensor:
+        return _table(self.state_bits, self.seed)
+
+    def _steps(self, bits, length: int) -> list[int]:
+        """The bits of each of ``length`` steps (``bits``: one int, or one per step)."""
+        steps = [bits] * length if isinstance(bits, int) else [int(b) for b in bits]
+        if len(steps) != length or not all(1 <= b < self.state_bits for b in steps):
+            raise ValueError(
+                f"a trellis of {self.state_bits} state bits codes 1..{self.state_bits - 1} bits a "
+                f"sample, one width or one per sample ({length}), got {bits!r}"
+            )
+        return steps
+
+    def decode(self, symbols: torch.Tensor, bits) -> torch.Tensor:
+        """Samples ``[N, n]`` (float64) from symbols ``[N, n]`` of ``bits`` bits (an int, or a
+        sequence of ``n`` ints: the width of each step)."""
+        steps = self._steps(bits, symbols.shape[1])
+        mask = (1 << self.state_bits) - 1
+        state = torch.zeros(symbols.shape[0], dtype=torch.long)
+        out = torch.empty(symbols.shape, dtype=torch.float64)
+        for t, k in enumerate(steps):
+            state = ((state << k) | symbols[:, t].long()) & mask
+            out[:, t] = self.table[state]
+        return out
+
+    def encode(self, x: torch.Tensor, bits) -> torch.Tensor:
+        """Symbols ``[N, n]`` (int64) of the path of least squared error for ``x`` ``[N, n]``
+        (``bits`` as for :meth:`decode`)."""
+        x = torch.as_tensor(x, dtype=torch.float64)
+        if x.dim() != 2:
+            raise ValueError(f"x must be [N, n], got {tuple(x.shape)}")
+        steps = self._steps(bits, x.shape[1])
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("x must be finite")
+        return torch.cat(
+            [self._viterbi(chunk, steps) for chunk in x.split(ENCODE_CHUNK)]
+            or [torch.zeros(0, x.shape[1], dtype=torch.long)]
+        )
+
+    def _viterbi(self, x: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        n_seq = x.shape[0]
+        cost = torch.full((n_seq, 1 << self.state_bits), torch.inf, dtype=torch.float64)
+        cost[:, 0] = 0.0
+        pointers = []
+        for t, k in enumerate(steps):
+            tail, fan = 1 << (self.state_bits - k), 1 << k
+            # state h * fan + s (value table[h * fan + s]) follows the states top * tail + h
+            best, top = cost.view(n_seq, fan, tail).min(dim=1)  # [N, tail]
+            pointers.append(top.to(torch.uint8))
+            error = (x[:, t, None, None] - self.table.view(tail, fan)[None]).pow(2)
+            cost = (best[:, :, None] + error).view(n_seq, -1)
+        state = cost.argmin(dim=1)
+        symbols = torch.empty(x.shape, dtype=torch.long)
+        rows = torch.arange(n_seq)
+        for t in range(len(steps) - 1, -1, -1):
+            k = steps[t]
+            symbols[:, t] = state & ((1 << k) - 1)
+            h = state >> k
+            state = pointers[t][rows, h].long() * (1 << (self.state_bits - k)) + h
+        return symbols
