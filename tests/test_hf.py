@@ -235,17 +235,22 @@ def _reference_attention(
     return out
 
 
-def _codec(dim: int, bits: int, seed: int) -> VectorCodec:
-    return VectorCodec(
-        [ChannelPart(make_quantizer("turboquant-mse", dim, bits, seed=seed), None)], dim
+def _codec(dim: int, bits: int, seed: int, trellis_state_bits: int | None = None) -> VectorCodec:
+    quantizer = make_quantizer(
+        "turboquant-mse", dim, bits, seed=seed, trellis_state_bits=trellis_state_bits
     )
+    return VectorCodec([ChannelPart(quantizer, None)], dim)
 
 
 @pytest.mark.parametrize("band_bits", [None, 4])
-def test_layer_attention_matches_the_definition(band_bits, rng):
+@pytest.mark.parametrize("trellis_state_bits", [None, 9], ids=["lloyd-max", "trellis"])
+def test_layer_attention_matches_the_definition(band_bits, trellis_state_bits, rng):
+    """Prefill and decode steps of one layer attend as the definition does with the codecs'
+    own reconstructions, for Lloyd-Max and trellis codes (``tcq``; the band stays Lloyd-Max)."""
     seed = seed_of(rng)
     batch, q_heads, kv_heads, dim = 2, 4, 2, 16
-    key_codec, value_codec = _codec(dim, 2, seed), _codec(dim, 3, seed + 1)
+    key_codec = _codec(dim, 2, seed, trellis_state_bits)
+    value_codec = _codec(dim, 3, seed + 1, trellis_state_bits)
     band_codecs = (None, None)
     if band_bits is not None:
         band_codecs = (_codec(dim, band_bits, seed + 2), _codec(dim, band_bits, seed + 3))

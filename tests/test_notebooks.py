@@ -14,13 +14,14 @@ CHAPTERS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PARAMS_FILES = sorted((ROOT / "params").glob("*.yaml"))
 
 
-def test_the_five_chapters_exist():
+def test_the_six_chapters_exist():
     assert [p.stem for p in CHAPTERS] == [
         "01_derivation",
         "02_depth",
         "03_kernels",
         "04_perplexity",
         "05_sweeps",
+        "06_bound",
     ]
 
 

@@ -192,7 +192,8 @@ def test_transform_code_beats_the_rotation_on_anisotropic_vectors(rng, record_st
 @pytest.mark.randomized
 def test_viterbi_finds_the_best_of_every_symbol_sequence(rng):
     """On sequences short enough to enumerate (4 steps of 1 or 2 bits, 3 state bits), the
-    encoder's path has the least squared error of all paths, and decode follows the register."""
+    encoder's path has the least squared error of all paths, and decode follows the register
+    from state 0."""
     trellis = BitshiftTrellis(state_bits=3, seed=int(torch.randint(1 << 30, (1,), generator=rng)))
     steps = [1, 2, 2, 1]
     x = torch.randn(16, 4, generator=rng, dtype=torch.float64)
@@ -202,9 +203,8 @@ def test_viterbi_finds_the_best_of_every_symbol_sequence(rng):
     best = (x[:, None, :] - decoded[None]).pow(2).sum(-1).min(dim=1).values
     assert torch.allclose((x - chosen).pow(2).sum(-1), best, rtol=1e-12)
     # the register: the second step's value is read at state ((s0 << 2) | s1) mod 8
-    symbols = every[:5]
-    states = ((symbols[:, 0] << 2) | symbols[:, 1]) & 7
-    assert torch.equal(decoded[:5, 1], trellis.table[states])
+    states = ((every[:, 0] << 2) | every[:, 1]) & 7
+    assert torch.equal(decoded[:, 1], trellis.table[states])
 
 
 @pytest.mark.randomized
@@ -265,6 +265,19 @@ def test_measure_head_reports_every_code_above_the_bound(rng):
                 assert "attention_kl" not in entry
 
 
-def test_measure_model_refuses_to_calibrate_on_the_evaluation_text():
+def test_the_study_refuses_to_calibrate_on_the_evaluation_text():
+    calibration = bound.Capture("wikitext-2", 0, 16, {0: []})
     with pytest.raises(ValueError, match="same corpus 'wikitext-2'"):
-        bound.measure_model(None, None, [0], bits=[2], rates=[2], calibration_corpus="wikitext-2")
+        bound.measure_model(None, None, calibration, bits=[2], rates=[2])
+    with pytest.raises(ValueError, match="same corpus 'wikitext-2'"):
+        bound.model_effect(None, None, calibration, ["transform+lloyd-max"], [2])
+
+
+def test_model_effect_refuses_unknown_codes_and_kinds():
+    calibration = bound.Capture("pydoc", 0, 16, {0: []})
+    with pytest.raises(ValueError, match="unknown codes"):
+        bound.model_effect(None, None, calibration, ["lattice"], [2])
+    with pytest.raises(ValueError, match="kinds"):
+        bound.model_effect(None, None, calibration, list(bound.CODES), [2], kinds=("queries",))
+    with pytest.raises(ValueError, match="no calibration"):
+        bound.model_effect(None, None, calibration, list(bound.CODES), [2], layers=[3])

@@ -28,11 +28,15 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # quantizer ->
 
 def centroid_values(c, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``c_hat``: the codebook vectors of the stored codes, ``[..., D]`` in ``dtype`` (zeros
-    without codes). Whole groups of eight codes are read through a :class:`CodeTable`."""
+    without codes). Whole groups of eight codes are read through a :class:`CodeTable`; a
+    quantizer with a trellis reads its symbols through the trellis's shift register."""
     qz = c.quantizer
     device = c.norms.device
     if not qz.mse_bits:
         return torch.zeros(*c.shape, qz.rotated_dim, dtype=dtype, device=device)
+    if getattr(qz, "trellis", None) is not None:  # the values follow the shift register
+        symbols = unpack_bits(c.codes, qz.mse_bits, qz.rotated_dim)
+        return qz.trellis_values(symbols, dtype)
     if qz.rotated_dim % 8 == 0:
         table = _TABLES.get(qz)
         if table is None:

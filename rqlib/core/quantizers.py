@@ -40,6 +40,7 @@ from rqlib.core.codebooks import Codebook, lloyd_max
 from rqlib.core.estimator import key_terms, paired_scores
 from rqlib.core.packing import pack_bits, pack_signs, packed_size
 from rqlib.core.rotations import Rotation, haar_orthogonal, make_rotation
+from rqlib.core.trellis import BitshiftTrellis
 
 METHODS = {
     # method: (default rotation, has QJL)
@@ -163,6 +164,7 @@ class Quantizer:
         codebook_law: str,
         norm_dtype: torch.dtype,
         norm_mantissa_bits: int | None = None,
+        trellis_state_bits: int | None = None,
     ):
         self.method, self.d, self.bits, self.seed = method, d, bits, seed
         self.has_qjl = METHODS[method][1]
@@ -180,6 +182,11 @@ class Quantizer:
         else:  # pure QJL (prod with 1 bit): the MSE stage reconstructs zero
             self.centroids = torch.zeros(0)
             self.boundaries = torch.zeros(0)
+        #: A bitshift trellis that codes the rotated coordinates instead of the Lloyd-Max code
+        #: (same bits: one symbol of ``mse_bits`` per coordinate), or ``None``.
+        self.trellis: BitshiftTrellis | None = None
+        if trellis_state_bits is not None and self.mse_bits:
+            self.trellis = BitshiftTrellis(state_bits=trellis_state_bits, seed=seed)
         self.qjl_sketch = qjl_sketch
         self.qjl_dim = qjl_dim if self.has_qjl else 0
         if self.has_qjl:
@@ -190,9 +197,10 @@ class Quantizer:
 
     def __repr__(self) -> str:
         qjl = f", qjl_sketch={self.qjl_sketch!r}, qjl_dim={self.qjl_dim}" if self.has_qjl else ""
+        trellis = f", trellis_state_bits={self.trellis.state_bits}" if self.trellis else ""
         return (
             f"Quantizer({self.method!r}, d={self.d}, bits={self.bits}, "
-            f"rotation={self.rotation.kind!r}{qjl}, seed={self.seed})"
+            f"rotation={self.rotation.kind!r}{qjl}{trellis}, seed={self.seed})"
         )
 
     # -- storage ---------------------------------------------------------------------------
@@ -256,7 +264,10 @@ class Quantizer:
         ``validate=False`` skips the checks that read values back to the host (finite inputs,
         no norm overflow): for callers that check finiteness themselves."""
         norms, y = self.rotated_unit(x, validate)
-        if self.mse_bits:
+        if self.trellis is not None:
+            indices, c_hat = self.trellis_code(y)
+            codes = pack_bits(indices, self.mse_bits, validate=False)
+        elif self.mse_bits:
             indices = torch.bucketize(y.contiguous(), self.boundaries.to(y.device)).to(torch.uint8)
             codes = pack_bits(indices, self.mse_bits, validate=False)
             c_hat = self.centroids.to(y.device)[indices.long()]
@@ -274,6 +285,24 @@ class Quantizer:
         return CompressedVectors(
             codes, self.store_norms(norms, validate=validate), qjl_signs, residual_norms, self
         )
+
+    def trellis_code(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(symbols uint8, c_hat float32)`` of rotated unit vectors ``y [..., D]`` by the
+        trellis: the coordinates, scaled to unit variance (times sqrt(D)), are one sequence."""
+        scale = math.sqrt(self.rotated_dim)
+        flat = y.reshape(-1, self.rotated_dim).double().cpu() * scale
+        symbols = self.trellis.encode(flat, self.mse_bits)
+        c_hat = self.trellis.decode(symbols, self.mse_bits) / scale
+        return (
+            symbols.to(torch.uint8).reshape(y.shape).to(y.device),
+            c_hat.float().reshape(y.shape).to(y.device),
+        )
+
+    def trellis_values(self, symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``c_hat [..., D]`` of stored trellis ``symbols [..., D]`` (the shift register)."""
+        flat = symbols.reshape(-1, self.rotated_dim).long().cpu()
+        values = self.trellis.decode(flat, self.mse_bits) / math.sqrt(self.rotated_dim)
+        return values.to(dtype).reshape(symbols.shape).to(symbols.device)
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -352,6 +381,7 @@ def make_quantizer(
     codebook_law: str = "beta",
     norm_dtype: torch.dtype = torch.float16,
     norm_mantissa_bits: int | None = None,
+    trellis_state_bits: int | None = None,
 ) -> Quantizer:
     """Build a quantizer.
 
@@ -371,6 +401,9 @@ def make_quantizer(
         norm_dtype: storage dtype of the norms (float16, bfloat16 or float32).
         norm_mantissa_bits: with float16 norms, keep only this many mantissa bits (1..10):
             norms then cost 5 + m bits (sign-free e5m<m>); default all 10 (16 bits with sign).
+        trellis_state_bits: code the rotated coordinates with a bitshift trellis of this many
+            state bits (:mod:`rqlib.core.trellis`; more than the code bits, at most 16) instead
+            of the Lloyd-Max code; the same bits are stored. Default ``None``: Lloyd-Max.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
@@ -402,6 +435,17 @@ def make_quantizer(
                 f"norm_mantissa_bits must be an int in 1..{FP16_MANTISSA_BITS}, "
                 f"got {norm_mantissa_bits!r}"
             )
+    if trellis_state_bits is not None:
+        code_bits = bits - 1 if has_qjl else bits
+        if (
+            isinstance(trellis_state_bits, bool)
+            or not isinstance(trellis_state_bits, int)
+            or not code_bits < trellis_state_bits <= 16
+        ):
+            raise ValueError(
+                f"trellis_state_bits must be an int in {code_bits + 1}..16 (more than the "
+                f"{code_bits} code bits), got {trellis_state_bits!r}"
+            )
     return Quantizer(
         method,
         d,
@@ -413,4 +457,5 @@ def make_quantizer(
         codebook_law=codebook_law,
         norm_dtype=norm_dtype,
         norm_mantissa_bits=norm_mantissa_bits,
+        trellis_state_bits=trellis_state_bits,
     )

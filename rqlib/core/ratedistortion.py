@@ -184,7 +184,8 @@ class TransformCode:
         quantizer: object = "lloyd-max",
     ) -> TransformCode:
         """Fit on calibration ``samples`` ``[N, d]`` for an error metric ``[d, d]`` at an
-        average of ``bits`` bits a component (side information and gain not included)."""
+        average of ``bits`` bits a component (side information and gain not included); a group
+        gets at most 8 bits, and fewer than a trellis's state bits."""
         x = torch.as_tensor(samples, dtype=torch.float64)
         d = x.shape[-1]
         if x.dim() != 2 or x.shape[0] < 2:
@@ -195,7 +196,9 @@ class TransformCode:
         centered = x - mean
         transform, inverse, lam = fit_transform(centered.T @ centered / x.shape[0], metric)
         groups = lam.reshape(-1, group_size).sum(-1)
-        return cls(mean, transform, inverse, lam, allocate_group_bits(groups, bits), quantizer)
+        widest = 8 if quantizer == "lloyd-max" else min(8, quantizer.state_bits - 1)
+        group_bits = allocate_group_bits(groups, bits, max_bits=widest)
+        return cls(mean, transform, inverse, lam, group_bits, quantizer)
 
     @property
     def dim(self) -> int:

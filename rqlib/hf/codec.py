@@ -212,7 +212,7 @@ class VectorCodec:
         for part in self.parts:
             sub = _gather_channels(x, part.channels)
             qz = part.quantizer
-            if backend == "torch" and qz.mse_bits and not qz.has_qjl:
+            if backend == "torch" and qz.mse_bits and not qz.has_qjl and qz.trellis is None:
                 norms, y = qz.rotated_unit(sub, validate)
                 indices = torch.bucketize(y, _on(qz.boundaries, y))
                 codes = pack_codes(indices, qz.mse_bits)

@@ -187,6 +187,11 @@ def rotated_dims(head_dim: int) -> set[int]:
 
 def check_quantizer(quantizer, name: str) -> None:
     """Raise ``ValueError`` unless the kernels support ``quantizer``'s geometry."""
+    if getattr(quantizer, "trellis", None) is not None:
+        raise ValueError(
+            f"{name}: the trellis code (spec token tcq) has no Triton kernel; on CUDA use a "
+            "config without tcq (it runs on the CPU's torch path)"
+        )
     if quantizer.d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
             f"{name}: head_dim {quantizer.d} has no kernel; supported head dims are "

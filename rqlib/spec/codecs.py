@@ -42,9 +42,12 @@ class QuantizerOptions:
     qjl_dim: int | None
     codebook_law: str
     norm_mantissa_bits: int | None
+    trellis_state_bits: int | None = None
 
     @classmethod
-    def of(cls, config, method: str) -> QuantizerOptions:
+    def of(cls, config, method: str, trellis: bool = True) -> QuantizerOptions:
+        """The options of one codec; ``trellis=False`` keeps the Lloyd-Max code even when the
+        config asks for a trellis (the recent band's codecs)."""
         is_prod = method.endswith("-prod")
         return cls(
             config.rotation,
@@ -52,6 +55,7 @@ class QuantizerOptions:
             config.qjl_dim if is_prod else None,
             config.codebook_law,
             config.norm_mantissa,
+            config.trellis_state_bits if trellis else None,
         )
 
 
@@ -76,6 +80,7 @@ def _quantizer(method: str, dim: int, bits: int, seed: int, options: QuantizerOp
         qjl_dim=options.qjl_dim,
         codebook_law=options.codebook_law,
         norm_mantissa_bits=options.norm_mantissa_bits,
+        trellis_state_bits=options.trellis_state_bits,
     )
 
 
@@ -127,10 +132,17 @@ def layer_seed(config, layer: int) -> int:
 
 
 def codec_plan(
-    config, method: str, bits: int, head_dim: int, seed: int = 0, outliers: int = 0
+    config,
+    method: str,
+    bits: int,
+    head_dim: int,
+    seed: int = 0,
+    outliers: int = 0,
+    trellis: bool = True,
 ) -> CodecPlan:
-    """The quantizers ``config`` uses for one codec of ``method`` at ``bits`` bits."""
-    options = QuantizerOptions.of(config, method)
+    """The quantizers ``config`` uses for one codec of ``method`` at ``bits`` bits
+    (``trellis=False``: the Lloyd-Max code even under ``tcq``, for the recent band)."""
+    options = QuantizerOptions.of(config, method, trellis)
     if outliers == 0:
         return CodecPlan(method, bits, 0, (PartPlan(head_dim, bits, seed),), options)
     if not 0 < outliers < head_dim:
@@ -174,7 +186,12 @@ def layer_plan(config, layer: int, n_layers: int, head_dim: int) -> LayerPlan:
     key_band = value_band = None
     if config.band_bits is not None:  # the recent band as codes of the values' MSE family
         key_band = codec_plan(
-            config, config.value_method, config.band_bits, head_dim, seed + SEED_OFFSETS["key_band"]
+            config,
+            config.value_method,
+            config.band_bits,
+            head_dim,
+            seed + SEED_OFFSETS["key_band"],
+            trellis=False,
         )
         if value is not None:
             value_band = codec_plan(
@@ -183,5 +200,6 @@ def layer_plan(config, layer: int, n_layers: int, head_dim: int) -> LayerPlan:
                 config.band_bits,
                 head_dim,
                 seed + SEED_OFFSETS["value_band"],
+                trellis=False,
             )
     return LayerPlan(False, key, value, key_band, value_band)

@@ -29,6 +29,9 @@ override it). TOKENs (``name=value`` or the short form):
 ``rot=hadamard``       rotation: dense, hadamard, rotor, none (default: by method)
 ``qjl=orthogonal``     QJL sketch kind (``-prod`` only); ``m=128`` sketch size (m > d allowed)
 ``law=gaussian``       Lloyd-Max codebook law passed to the quantizer
+``tcq`` / ``tcq=12``   keys and values (not the band) coded by a bitshift trellis of 10 (12)
+                       state bits instead of the Lloyd-Max code, at the same bits
+                       (:mod:`rqlib.core.trellis`); the torch path only, refused on CUDA
 ``nm=6``               norms (and norm-corrected scales) rounded to 6 mantissa bits: 11 bits
                        each (sign-free e5m6) instead of 16
 ``seed=7``             seed of rotations and sketches
@@ -76,6 +79,9 @@ METHODS = tuple(QUANTIZER_METHODS)
 MIN_BITS, MAX_BITS = 1, 8
 #: The uniform bits a budget (``alloc=``) starts from; the allocation replaces them per layer.
 BUDGET_START_BITS = 3
+#: The trellis state bits ``tcq`` means; ``tcq=N`` takes N in MAX_BITS + 1 .. 16, more than any
+#: code's bits.
+TRELLIS_STATE_BITS = 10
 #: Upper limits of the counts a spec may give (far above any real model; they stop a typo such
 #: as ``sink99999999999`` from overflowing deep inside with an unrelated error).
 LIMITS = {
@@ -139,6 +145,7 @@ class CompressionConfig:
     qjl_sketch: str = "gaussian"
     qjl_dim: int | None = None
     codebook_law: str = "beta"
+    trellis_state_bits: int | None = None
     norm_mantissa: int | None = None
     center_keys: bool = False
     scale_keys: bool = False
@@ -199,6 +206,14 @@ class CompressionConfig:
                 "codebook_law",
                 f"codebook_law must be one of {CODEBOOK_LAWS}, got {self.codebook_law!r}",
             )
+        if self.trellis_state_bits is not None:
+            _check_count("trellis_state_bits", self.trellis_state_bits)
+            if not MAX_BITS < self.trellis_state_bits <= 16:
+                raise ConfigFieldError(
+                    "trellis_state_bits",
+                    f"trellis_state_bits must be in {MAX_BITS + 1}..16 (more than any code's "
+                    f"bits), got {self.trellis_state_bits!r}",
+                )
         if self.norm_mantissa is not None:
             _check_count("norm_mantissa", self.norm_mantissa)
             if not 1 <= self.norm_mantissa <= 10:
@@ -484,6 +499,9 @@ class CompressionConfig:
             tokens.append(f"m={self.qjl_dim}")
         if self.codebook_law != default.codebook_law:
             tokens.append(f"law={self.codebook_law}")
+        if self.trellis_state_bits is not None:
+            state = self.trellis_state_bits
+            tokens.append("tcq" if state == TRELLIS_STATE_BITS else f"tcq={state}")
         if self.norm_mantissa is not None:
             tokens.append(f"nm={self.norm_mantissa}")
         if self.seed != default.seed:
@@ -504,6 +522,7 @@ _FLAGS = {
     "ks": ("scale_keys", True),
     "vs": ("scale_values", True),
     "nc": ("norm_correction", True),
+    "tcq": ("trellis_state_bits", TRELLIS_STATE_BITS),
 }
 _KEYED = {
     "k": "key_bits",
@@ -518,6 +537,7 @@ _KEYED = {
     "qjl": "qjl_sketch",
     "m": "qjl_dim",
     "law": "codebook_law",
+    "tcq": "trellis_state_bits",
     "nm": "norm_mantissa",
     "seed": "seed",
     "calib": "calibration_corpus",
@@ -525,6 +545,7 @@ _KEYED = {
 }
 _INT_FIELDS = {
     "key_bits",
+    "trellis_state_bits",
     "norm_mantissa",
     "n_sink",
     "recent_window",
@@ -570,6 +591,11 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
     "qjl": ("qjl=gaussian|orthogonal", "the QJL sketch S of the -prod methods"),
     "m": ("m=128", "rows of the QJL sketch (default: the head dimension d)"),
     "law": ("law=beta|gaussian", "the coordinate law the Lloyd-Max codebook is fitted to"),
+    "tcq": (
+        "tcq | tcq=12",
+        "keys and values coded by a bitshift trellis of 10 (12) state bits instead of the "
+        "Lloyd-Max code, same bits (torch path; refused on CUDA)",
+    ),
     "seed": ("seed=0", "the seed of the random rotations and sketches"),
     "calib": ("calib=pydoc", "the corpus calibrations are measured on"),
     "ctok": ("ctok=2048", "the number of calibration tokens"),

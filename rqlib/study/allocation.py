@@ -183,8 +183,13 @@ def _base_of(config: CompressionConfig) -> CompressionConfig:
       vector to under 1 % of its norm, while a 6-bit band does not (``tests/test_allocation.py``
       checks both on fresh Gaussian vectors); re-measured items of a table move by far less
       than the differences between bit widths that the allocation chooses from.
+
+    The trellis code (``tcq``) is left out for another reason: the layers are ranked by their
+    sensitivity under the Lloyd-Max code, whose table exists, instead of measuring a table with
+    the much slower trellis encoder; the trellis then lowers the error at each chosen width
+    (chapter 6 measures by how much), so the ranking is an approximation, stated as such.
     """
-    base = _uniform(config).replace(norm_mantissa=None)
+    base = _uniform(config).replace(norm_mantissa=None, trellis_state_bits=None)
     if base.band_bits is not None and base.band_bits >= NEAR_EXACT_BAND_BITS:
         base = base.replace(band_bits=None)
     return base

@@ -17,10 +17,11 @@ For every KV head of the chosen layers:
 
 The codes, each at ``bits`` code bits a coordinate plus a 16-bit gain (or norm) per vector:
 
-- ``rotation+lloyd-max``: today's code, TurboQuant (a random rotation and the Lloyd-Max code
-  of a rotated coordinate), keys centred with the calibrated mean as ``ctr`` does;
-- ``rotation+trellis``: the same rotation, the coordinates coded by a bitshift trellis
-  (:mod:`rqlib.core.trellis`) instead: the granular gain alone;
+- ``rotation+lloyd-max``: today's code as the cache runs it, TurboQuant (a random rotation
+  and the Lloyd-Max code of a rotated coordinate), keys centred with the calibrated mean
+  (``ctr``), the least-squares norm (``nc``);
+- ``rotation+trellis``: the same, the coordinates coded by a bitshift trellis instead
+  (:mod:`rqlib.core.trellis`, the cache's ``tcq``): the granular gain alone;
 - ``transform+lloyd-max``: the calibrated transform code (:class:`rqlib.core.ratedistortion.
   TransformCode`), bits per group of 16 components by water-filling;
 - ``transform+trellis``: the transform code with each run of equal-bit components coded by the
@@ -28,6 +29,11 @@ The codes, each at ``bits`` code bits a coordinate plus a 16-bit gain (or norm) 
 
 The calibrated codes also store their transform once per head (``side_bits``), which
 :func:`side_bits_per_coordinate` spreads over a context.
+
+:func:`model_effect` then runs the whole model with every layer's keys and values passed
+through a code (encoded and decoded, the first token of each window kept exact as ``sink1``
+does) and measures the KL divergence and the perplexity change on held-out windows: what the
+codes do to the model, before any of them is a stored format of the cache.
 """
 
 from __future__ import annotations
@@ -48,12 +54,18 @@ from rqlib.core.ratedistortion import (
 )
 from rqlib.core.trellis import BitshiftTrellis
 from rqlib.hf.capture import capture_attention
+from rqlib.hf.codec import ChannelPart, VectorCodec
+from rqlib.study.eval import windows
 
 __all__ = [
     "CODES",
+    "Capture",
     "HeadData",
     "capture",
+    "head_frames",
     "measure_head",
+    "measure_model",
+    "model_effect",
     "side_bits_per_coordinate",
 ]
 
@@ -88,9 +100,42 @@ class HeadData:
         return (self.keys if kind == "keys" else self.values).double()
 
 
+@dataclass(frozen=True)
+class Capture:
+    """What :func:`capture` recorded: ``heads[layer]`` (one :class:`HeadData` per KV head) for
+    tokens ``start .. start + tokens`` of ``corpus``; ``capture[layer]`` reads ``heads``."""
+
+    corpus: str
+    start: int
+    tokens: int
+    heads: dict[int, list[HeadData]]
+
+    def __getitem__(self, layer: int) -> list[HeadData]:
+        return self.heads[layer]
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.heads)
+
+
+def _chosen_layers(calibration: Capture, layers: list[int] | None, eval_corpus: str) -> list:
+    """``layers`` (default: the calibrated ones), refused unless calibrated, and unless the
+    calibration corpus differs from ``eval_corpus``."""
+    if calibration.corpus == eval_corpus:
+        raise ValueError(
+            f"calibration and evaluation use the same corpus {eval_corpus!r}: the codes would be "
+            "fitted on the text they are judged on"
+        )
+    layers = calibration.layers if layers is None else list(layers)
+    missing = sorted(set(layers) - set(calibration.layers))
+    if missing or not layers:
+        raise ValueError(f"layers {missing or layers} have no calibration")
+    return layers
+
+
 def capture(
     model, tokenizer, corpus_name: str, n_tokens: int, layers: list[int], start: int = 0
-) -> dict[int, list[HeadData]]:
+) -> Capture:
     """Run ``model`` (uncompressed) over tokens ``start .. start + n_tokens`` of the corpus in
     chunks of 1024, and return each chosen layer's KV heads. The first token of each chunk is
     left out (it is an attention sink with atypical keys, as in :mod:`rqlib.hf.calibration`);
@@ -132,7 +177,7 @@ def capture(
             )
             for g in range(kv_heads)
         ]
-    return heads
+    return Capture(corpus_name, start, n_tokens, heads)
 
 
 def side_bits_per_coordinate(code: TransformCode, context: int) -> float:
@@ -149,19 +194,16 @@ def _weighted_error(x, x_hat, mean, metric) -> float:
 
 
 def _rotation_code(x, mean, bits: int, seed: int, trellis: BitshiftTrellis | None):
-    """Today's code (TurboQuant MSE) on ``x - mean``, or its coordinates by the trellis."""
+    """Today's code as the cache runs it, on ``x`` ``[N, d]``: TurboQuant MSE after subtracting
+    ``mean`` (``ctr``), with the least-squares norm (``nc``), through the cache's own codec; with
+    a ``trellis``, its state bits code the rotated coordinates (``tcq``)."""
     d = x.shape[-1]
-    quantizer = make_quantizer("turboquant-mse", d, bits, seed=seed)
-    centered = (x - mean).float()
-    if trellis is None:
-        return mean + quantizer.dequantize(quantizer.quantize(centered)).double()
-    norms, unit = quantizer.rotated_unit(centered)
-    y = unit.double() * math.sqrt(d)
-    c = trellis.decode(trellis.encode(y, bits), bits)
-    denominator = (c * c).sum(-1, keepdim=True)
-    gain = torch.where(denominator > 0, (y * c).sum(-1, keepdim=True) / denominator, 0.0)
-    gain = (gain * norms.double()[:, None] / math.sqrt(d)).to(torch.float16).double()
-    return mean + quantizer.rotation.inverse((gain * c).float()).double()
+    state_bits = None if trellis is None else trellis.state_bits
+    quantizer = make_quantizer("turboquant-mse", d, bits, seed=seed, trellis_state_bits=state_bits)
+    codec = VectorCodec(
+        [ChannelPart(quantizer, None)], d, mean=mean.float()[None], norm_correction=True
+    )
+    return codec.decode(codec.encode(x.float()[None, None]))[0, 0].double()
 
 
 def _attention_kl(head: HeadData, keys_hat: torch.Tensor) -> float:
@@ -239,12 +281,11 @@ def measure_head(
 def measure_model(
     model,
     tokenizer,
-    layers: list[int],
+    calibration: Capture,
     *,
     bits: list[int],
     rates: list[float],
-    calibration_corpus: str = "pydoc",
-    calibration_tokens: int = 4096,
+    layers: list[int] | None = None,
     eval_corpus: str = "wikitext-2",
     eval_start: int = 100_000,
     eval_tokens: int = 1024,
@@ -252,21 +293,12 @@ def measure_model(
     seed: int = 0,
     progress: bool = True,
 ) -> list[dict]:
-    """:func:`measure_head` for the keys and values of every KV head of ``layers``: one record
-    per (layer, head, kind), with ``layer``, ``head`` and ``kind`` added. Calibration and
-    evaluation must be different corpora (the codes are fitted on the first only)."""
+    """:func:`measure_head` for the keys and values of every KV head of ``layers`` (default:
+    those of ``calibration``, a :func:`capture` on another corpus than ``eval_corpus``): one
+    record per (layer, head, kind), with ``layer``, ``head`` and ``kind`` added."""
     from tqdm.auto import tqdm
 
-    if calibration_corpus == eval_corpus:
-        raise ValueError(
-            f"calibration and evaluation use the same corpus {eval_corpus!r}: the codes would be "
-            "fitted on the text they are judged on"
-        )
-    n_layers = model.config.num_hidden_layers
-    bad = [layer for layer in layers if not 0 <= layer < n_layers]
-    if bad or not layers:
-        raise ValueError(f"layers {bad or layers} are out of range for {n_layers} layers")
-    calibration = capture(model, tokenizer, calibration_corpus, calibration_tokens, layers)
+    layers = _chosen_layers(calibration, layers, eval_corpus)
     held_out = capture(model, tokenizer, eval_corpus, eval_tokens, layers, start=eval_start)
     trellis = BitshiftTrellis(state_bits=state_bits, seed=seed)
     jobs = [
@@ -282,3 +314,177 @@ def measure_model(
         )
         records.append({"layer": layer, "head": head, "kind": kind, **result})
     return records
+
+
+# ---- the whole model -------------------------------------------------------------------------
+#: The registered attention function that passes keys and values through codes, then runs sdpa.
+ROUNDTRIP_NAME = "rqlib-roundtrip"
+_ROUNDTRIPS: list[dict] = []  # the active {layer: (key codes per head, value codes per head)}
+
+
+def _through(codes, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, KV, S, d]`` with tokens ``1..S-1`` of each KV head through its code."""
+    if codes is None or x.shape[-2] < 2:
+        return x
+    out = x.clone()
+    for head, code in enumerate(codes):  # the codes compute on the CPU, in float64
+        rows = x[:, head, 1:].reshape(-1, x.shape[-1]).cpu()
+        decoded = code(rows).reshape(x.shape[0], -1, x.shape[-1])
+        out[:, head, 1:] = decoded.to(device=x.device, dtype=x.dtype)
+    return out
+
+
+def _roundtrip_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not _ROUNDTRIPS:
+        raise RuntimeError(f"attention {ROUNDTRIP_NAME!r} was called outside model_effect()")
+    key_codes, value_codes = _ROUNDTRIPS[-1].get(module.layer_idx, (None, None))
+    key, value = _through(key_codes, key), _through(value_codes, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _code_functions(name: str, bits: int, calibration: HeadData, kind: str, trellis, seed: int):
+    """The encode-and-decode function of one code for one head, fitted on ``calibration``."""
+    x_cal = calibration.vectors(kind)
+    if name.startswith("rotation"):
+        mean = x_cal.mean(0) if kind == "keys" else torch.zeros(x_cal.shape[-1])
+        use = trellis if name.endswith("trellis") else None
+        return lambda x: _rotation_code(x.double(), mean, bits, seed, use)
+    quantizer = trellis if name.endswith("trellis") else "lloyd-max"
+    code = TransformCode.fit(x_cal, calibration.metric(kind), bits, GROUP_SIZE, quantizer)
+    return code.roundtrip
+
+
+def model_effect(
+    model,
+    tokenizer,
+    calibration: Capture,
+    codes: list[str],
+    bits: list[int],
+    *,
+    kinds: tuple[str, ...] = ("keys", "values"),
+    layers: list[int] | None = None,
+    eval_corpus: str = "wikitext-2",
+    eval_start: int = 100_000,
+    eval_tokens: int = 2048,
+    window: int = 1024,
+    state_bits: int = 10,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict]:
+    """KL divergence and perplexity change of the model with ``kinds`` of ``layers`` (default
+    all) through each code at each of ``bits``, on windows of ``window`` tokens of held-out
+    text (tokens ``eval_start ..`` of ``eval_corpus``).
+
+    ``calibration`` is :func:`capture` of every layer on a calibration corpus (not the
+    evaluation text); the codes are fitted on it per layer and KV head. One record per (code,
+    bits): ``kl`` and ``nll`` (mean per scored token), ``kl_windows``, ``nll_windows`` and
+    ``fp_nll_windows`` (per window), ``delta_ppl`` (relative to the exact model's perplexity on
+    the same tokens). The first token of every window stays exact."""
+    from tqdm.auto import tqdm
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    unknown = sorted(set(codes) - set(CODES))
+    if unknown or not codes:
+        raise ValueError(f"unknown codes {unknown or codes}; known: {list(CODES)}")
+    if not kinds or set(kinds) - {"keys", "values"}:
+        raise ValueError(f"kinds must be 'keys' and/or 'values', got {kinds!r}")
+    layers = _chosen_layers(calibration, layers, eval_corpus)
+    ids = tokenize_corpus(load_corpus(eval_corpus), tokenizer, eval_start + eval_tokens)
+    ids = ids[eval_start:]
+    spans = windows(len(ids), window)
+    weights = torch.tensor([end - begin - 1 for begin, end, _ in spans], dtype=torch.float64)
+    device = next(model.parameters()).device
+    trellis = BitshiftTrellis(state_bits=state_bits, seed=seed)
+    AttentionInterface.register(ROUNDTRIP_NAME, _roundtrip_attention)
+    AttentionMaskInterface.register(ROUNDTRIP_NAME, sdpa_mask)
+
+    def log_probs(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(tokens[None].to(device)).logits[0, :-1].float(), -1)
+
+    def mean(values: list[float]) -> float:
+        return float((torch.tensor(values, dtype=torch.float64) * weights).sum() / weights.sum())
+
+    exact = [log_probs(ids[begin:end]) for begin, end, _ in spans]
+    previous = model.config._attn_implementation
+    records = []
+    jobs = [(name, b) for name in codes for b in bits]
+    try:
+        model.set_attn_implementation(ROUNDTRIP_NAME)
+        for name, b in tqdm(jobs, desc="codes through the model", disable=not progress):
+            table = {
+                layer: tuple(
+                    [
+                        _code_functions(name, b, head, kind, trellis, seed)
+                        for head in calibration[layer]
+                    ]
+                    if kind in kinds
+                    else None
+                    for kind in ("keys", "values")
+                )
+                for layer in layers
+            }
+            kl_windows, nll_windows, fp_windows = [], [], []
+            _ROUNDTRIPS.append(table)
+            try:
+                for (begin, end, _), reference in zip(spans, exact):
+                    approx = log_probs(ids[begin:end])
+                    targets = ids[begin + 1 : end, None].to(approx.device)
+                    kl = (reference.exp() * (reference - approx)).sum(-1)
+                    kl_windows.append(float(kl.mean()))
+                    nll_windows.append(float(-approx.gather(-1, targets).mean()))
+                    fp_windows.append(float(-reference.gather(-1, targets).mean()))
+            finally:
+                _ROUNDTRIPS.pop()
+            records.append(
+                {
+                    "code": name,
+                    "bits": b,
+                    "kinds": list(kinds),
+                    "layers": layers,
+                    "kl": mean(kl_windows),
+                    "nll": mean(nll_windows),
+                    "delta_ppl": math.exp(mean(nll_windows) - mean(fp_windows)) - 1,
+                    "kl_windows": kl_windows,
+                    "nll_windows": nll_windows,
+                    "fp_nll_windows": fp_windows,
+                }
+            )
+    finally:
+        model.set_attn_implementation(previous)
+    return records
+
+
+def head_frames(records: list[dict], bits: list[int], rates: list[float]):
+    """:func:`measure_model`'s records as two DataFrames: ``per_head`` (one row per layer,
+    head, kind, code and bits: ``relative_error``, ``attention_kl`` for keys,
+    ``lloyd_max_model``) and ``shannon`` (kind, rate and the bound, the mean over heads)."""
+    import pandas as pd
+
+    rows, bound_rows = [], []
+    for r in records:
+        for name, entry in r["codes"].items():
+            for i, b in enumerate(bits):
+                rows.append(
+                    {
+                        "layer": r["layer"],
+                        "head": r["head"],
+                        "kind": r["kind"],
+                        "code": name,
+                        "bits": b,
+                        "relative_error": entry["relative_error"][i],
+                        "attention_kl": entry["attention_kl"][i]
+                        if "attention_kl" in entry
+                        else None,
+                        "lloyd_max_model": r["lloyd_max_model"][i],
+                    }
+                )
+        for rate, shannon in zip(rates, r["shannon"]):
+            bound_rows.append({"kind": r["kind"], "rate": rate, "shannon": shannon})
+    per_head = pd.DataFrame(rows)
+    per_head["attention_kl"] = per_head["attention_kl"].astype(float)
+    shannon = pd.DataFrame(bound_rows).groupby(["kind", "rate"]).mean().reset_index()
+    return per_head, shannon

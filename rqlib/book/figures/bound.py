@@ -1,0 +1,73 @@
+"""Figures of chapter 6 (toward the rate-distortion bound of attention)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+
+from rqlib.book.figures import legend_below, subplots
+
+__all__ = ["curves_figure", "layers_figure", "spectrum_figure"]
+
+KINDS = ("keys", "values")
+
+
+def spectrum_figure(spectra: pd.DataFrame) -> Figure:
+    """The calibrated weighted spectrum (share of the total, log scale) of keys and values,
+    one line per layer (mean over its KV heads)."""
+    fig, axes = subplots(2, width=4.6, height=3.4, sharey=True)
+    layers = sorted(spectra.layer.unique())
+    colors = dict(zip(layers, sns.color_palette("viridis", n_colors=len(layers))))
+    for ax, kind in zip(axes, KINDS):
+        for layer in layers:
+            rows = spectra[(spectra.kind == kind) & (spectra.layer == layer)]
+            share = np.mean(np.stack(rows.spectrum.to_numpy()), axis=0)
+            ax.semilogy(np.arange(1, len(share) + 1), share, color=colors[layer], label=f"{layer}")
+        ax.set_title(f"{kind}: weighted spectrum", fontsize=10)
+        ax.set_xlabel("component (falling variance)")
+    axes[0].set_ylabel("share of the weighted variance")
+    legend_below(fig, axes[0], ncol=min(len(layers), 6))
+    return fig
+
+
+def curves_figure(curves: pd.DataFrame, bound: pd.DataFrame) -> Figure:
+    """Relative weighted error against code bits per coordinate (log scale), mean over heads:
+    the Shannon bound (line), today's code as the spectrum predicts it (dashed) and every code
+    measured on held-out text (markers)."""
+    fig, axes = subplots(2, width=4.6, height=3.6, sharey=True)
+    codes = list(dict.fromkeys(curves.code))
+    colors = dict(zip(codes, sns.color_palette(n_colors=len(codes))))
+    markers = dict(zip(codes, "osD^v<>"))
+    for ax, kind in zip(axes, KINDS):
+        line = bound[bound.kind == kind]
+        ax.semilogy(line.rate, line.shannon, "k-", label="Shannon bound (water-filling)")
+        model = curves[(curves.kind == kind) & (curves.code == codes[0])]
+        ax.semilogy(
+            model.bits, model.lloyd_max_model, "k--", lw=1, label="rotation + Lloyd-Max, model"
+        )
+        for code in codes:
+            rows = curves[(curves.kind == kind) & (curves.code == code)]
+            ax.semilogy(
+                rows.bits, rows.relative_error, markers[code] + ":", color=colors[code], label=code
+            )
+        ax.set_title(f"{kind}: weighted error on held-out text", fontsize=10)
+        ax.set_xlabel("code bits per coordinate")
+    axes[0].set_ylabel("relative weighted error")
+    legend_below(fig, axes[0], ncol=3)
+    return fig
+
+
+def layers_figure(per_layer: pd.DataFrame) -> Figure:
+    """The model's KL divergence with one layer's keys through each code, layer by layer."""
+    fig, axes = subplots(1, width=8.5, height=3.4)
+    ax = axes[0]
+    codes = list(dict.fromkeys(per_layer.code))
+    for code, color in zip(codes, sns.color_palette(n_colors=len(codes))):
+        rows = per_layer[per_layer.code == code].sort_values("layer")
+        ax.semilogy(rows.layer, rows.kl, "o-", ms=3, color=color, label=code)
+    ax.set_xlabel("layer whose keys go through the code")
+    ax.set_ylabel("next-token KL (nats)")
+    legend_below(fig, ax, ncol=len(codes))
+    return fig
