@@ -24,30 +24,36 @@ from rqlib.spec.codecs import layer_plan
 from rqlib.spec.config import TRELLIS_STATE_BITS, CompressionConfig
 from rqlib.study.allocation import _base_of
 
+#: Quantizer seeds (each its own rotation and trellis table) pooled by the sign test.
+TABLES = 5
+
 
 @pytest.mark.randomized
 def test_the_trellis_quantizer_stores_the_same_bits_and_errs_less(rng, record_statistic):
     """At 3 bits and d = 64 the trellis (10 state bits) stores exactly the Lloyd-Max code's bits
-    and codes most vectors with a smaller relative error. The per-vector errors of the trellis
-    have a heavy tail (a few vectors reach several times the mean), so the test counts wins
-    (a sign test) instead of comparing means: of 400 vectors the trellis wins on about 330
-    (0.80 to 0.86 of them over the seeds measured). The statistic is the sign test's
-    -log10 p-value against "no better than Lloyd-Max" (a fair coin); the bound 7 needs at least
-    253 wins, which a win rate of 0.75 misses with probability 1.3e-7 and a rate of 0.8 with
-    7e-15 (binomial tails). A trellis whose decoder drifted from its encoder would lose every
-    vector."""
-    seed = seed_of(rng)
-    trellis = make_quantizer("turboquant-mse", 64, 3, seed=seed, trellis_state_bits=10)
-    lloyd_max = make_quantizer("turboquant-mse", 64, 3, seed=seed)
-    assert trellis.bits_per_vector == lloyd_max.bits_per_vector
-    x = torch.randn(400, 64, generator=rng)
+    and codes most vectors with a smaller relative error. Its per-vector errors have a heavy
+    tail, so the test counts wins (a sign test) instead of comparing means. The win rate depends
+    on the trellis table, which the quantizer seed draws: over 1,000 seeds of one table and 400
+    vectors, the -log10 p-value ranged from 5.4 to 77 (median 48), below 7 for 3 seeds
+    (``tests/audit/randomized-1000-rate-distortion.txt``). The test therefore pools
+    ``TABLES`` = 5 independent tables of 400 vectors each: the bound 7 then needs at least
+    1,119 wins of 2,000 (a rate of 0.56), which the pooled rate of about 0.82 misses only if
+    several tables at once are as poor as the worst one in 1,000. A trellis whose decoder
+    drifted from its encoder would lose every vector."""
+    wins = 0
+    for _ in range(TABLES):
+        seed = seed_of(rng)
+        trellis = make_quantizer("turboquant-mse", 64, 3, seed=seed, trellis_state_bits=10)
+        lloyd_max = make_quantizer("turboquant-mse", 64, 3, seed=seed)
+        assert trellis.bits_per_vector == lloyd_max.bits_per_vector
+        x = torch.randn(400, 64, generator=rng)
 
-    def errors(quantizer):
-        x_hat = quantizer.dequantize(quantizer.quantize(x))
-        return (x - x_hat).pow(2).sum(-1) / x.pow(2).sum(-1)
-
-    wins = int((errors(trellis) < errors(lloyd_max)).sum())
-    p_value = float(stats.binom.sf(wins - 1, 400, 0.5))
+        errors = [
+            (x - q.dequantize(q.quantize(x))).pow(2).sum(-1) / x.pow(2).sum(-1)
+            for q in (trellis, lloyd_max)
+        ]
+        wins += int((errors[0] < errors[1]).sum())
+    p_value = float(stats.binom.sf(wins - 1, 400 * TABLES, 0.5))
     record_statistic("-log10 p of the trellis's wins", -math.log10(p_value), 7.0, at_least=True)
 
 
