@@ -39,6 +39,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from rqlib.spec.presets import PRESETS
+
 __all__ = ["UsageError", "format_table", "main"]
 
 PROG = "python -m rqlib"
@@ -375,7 +377,9 @@ def _experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--presets", nargs="*", default=["rq-3.5", "rq-3", "rq-2.5"])
+    parser.add_argument(
+        "--presets", nargs="*", default=list(PRESETS), help="presets to run (default: all)"
+    )
     parser.add_argument(
         "--levers",
         nargs="*",
@@ -842,8 +846,6 @@ def _run_bench(args: argparse.Namespace) -> int:
             _at_least(name, getattr(args, name), minimum)
         if args.threads is not None:
             _at_least("threads", args.threads, 1)
-        from rqlib.spec.presets import PRESETS
-
         unknown = [name for name in args.presets if name not in PRESETS]
         if unknown:
             known = ", ".join(sorted(PRESETS))

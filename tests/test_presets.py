@@ -37,18 +37,19 @@ GEOMETRIES = {
 }
 
 
-SHIPPED_TABLES = {"smollm2": "smollm2-135m.json", "gemma3": "gemma3-270m.json"}
+#: the packaged model whose table each geometry reads (rqlib/study/allocations/)
+PACKAGED = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
 
 
-def shipped_table(geometry: str) -> allocation.Sensitivity:
-    """The sensitivity table shipped for a packaged model (rqlib/allocations/)."""
-    path = allocation.SHIPPED / SHIPPED_TABLES[geometry]
-    return allocation.Sensitivity.from_dict(json.loads(path.read_text()))
+def shipped_table(geometry: str, name: str) -> allocation.Sensitivity:
+    """The sensitivity table shipped for a packaged model and preset ``name``'s format."""
+    return allocation.shipped_sensitivity(PACKAGED[geometry], get_preset(name))
 
 
 def resolved_preset(name: str, geometry: str) -> CompressionConfig:
     """A preset's per-layer bits for a packaged model, from its shipped table."""
-    return allocation.allocate(shipped_table(geometry), get_preset(name), GEOMETRIES[geometry])
+    table = shipped_table(geometry, name)
+    return allocation.allocate(table, get_preset(name), GEOMETRIES[geometry])
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
@@ -58,9 +59,9 @@ def test_preset_bits_fit_the_budget_in_its_name(name, geometry):
     assert config.label == f"preset:{name}"
     assert CompressionConfig.parse(f"preset:{name}") == config
     assert config.budget == budget_of(name) == TARGETS[name].max_bits
-    table = shipped_table(geometry)
+    table = shipped_table(geometry, name)
     assert table.n_layers == GEOMETRIES[geometry].num_hidden_layers
-    assert table.base == allocation._base_of(config).spec()  # measured for this preset's base
+    assert f"win{config.recent_window}" in table.base.split(":")  # with this preset's window
     resolved = resolved_preset(name, geometry)
     bits = average_bits(resolved, GEOMETRIES[geometry], context=4096)
     assert budget_of(name) - 0.05 < bits["mean"] <= budget_of(name)  # spent, not exceeded
@@ -68,6 +69,12 @@ def test_preset_bits_fit_the_budget_in_its_name(name, geometry):
     # the hand-made predecessors fit the same budgets
     handmade = average_bits(CompressionConfig.parse(HANDMADE[name]), GEOMETRIES[geometry])
     assert handmade["mean"] <= budget_of(name)
+
+
+def test_a_format_without_a_shipped_table_is_named():
+    config = get_preset("rq-3").replace(recent_window=16)
+    with pytest.raises(FileNotFoundError, match="smollm2-135m and the format .*win16"):
+        allocation.shipped_sensitivity("smollm2-135m", config)
 
 
 def test_unknown_preset_and_bad_names_raise():
@@ -136,9 +143,9 @@ def test_shipped_table_belongs_to_the_packaged_model():
     from rqlib.hf.weights import signatures_match, weight_signature
 
     model, _ = load_model("smollm2-135m")
-    assert signatures_match(shipped_table("smollm2").fingerprint, weight_signature(model))
+    assert signatures_match(shipped_table("smollm2", "rq-3.5").fingerprint, weight_signature(model))
     found = allocation.find_sensitivity(model, get_preset("rq-3.5"))
-    assert found is not None and found.kl == shipped_table("smollm2").kl
+    assert found is not None and found.kl == shipped_table("smollm2", "rq-3.5").kl
 
 
 @pytest.mark.model

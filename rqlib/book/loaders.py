@@ -94,6 +94,11 @@ HEADLINE = {
     "headline/smollm2-decode-more-w1024.json": "first held-out window: HQQ, fp8, exact cache",
     "headline/gemma3-prefill-w1024.json": "held out, Gemma 3: one forward per window",
     "headline/gemma3-decode-w1024.json": "first held-out window, Gemma 3: quanto, token by token",
+    "headline/smollm2-prefill-rq2-w1024.json": "held out, 1024: rq-2, one forward per window",
+    "headline/smollm2-prefill-rq2-w4096.json": "held out, 4096: rq-2, one forward per window",
+    "headline/smollm2-prefill-check-rq2-w1024.json": "first held-out window: rq-2, one forward",
+    "headline/smollm2-decode-check-rq2-w1024.json": "first held-out window: rq-2, token by token",
+    "headline/gemma3-prefill-rq2-w1024.json": "held out, Gemma 3: rq-2, one forward per window",
 }
 COMMITTED.update(HEADLINE)
 
@@ -336,19 +341,17 @@ def preset_evidence(name: str, model: str = "smollm2-135m", directory: Path | No
     raise KeyError(f"{path} has no row for preset {name!r}")
 
 
-def shipped_allocation(model: str):
-    """``(sensitivity table, transformers config)`` of packaged model ``model``: the table
-    shipped in ``rqlib/study/allocations/<model>.json``, from which the presets allocate its
-    bits, and the model's config (its geometry)."""
+def shipped_allocation(model: str, preset: str):
+    """``(sensitivity table, transformers config)`` for preset ``preset`` on packaged model
+    ``model``: the table shipped in ``rqlib/study/allocations/`` for the preset's storage format,
+    from which it allocates the model's bits, and the model's config (its geometry)."""
     from transformers import AutoConfig
 
     from rqlib.hf.models import converted_model_dir
-    from rqlib.study.allocation import SHIPPED, Sensitivity
+    from rqlib.spec.config import get_preset
+    from rqlib.study.allocation import shipped_sensitivity
 
-    path = SHIPPED / f"{model}.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no sensitivity table ships for {model!r}: {path} does not exist")
-    table = Sensitivity.from_dict(json.loads(path.read_text()))
+    table = shipped_sensitivity(model, get_preset(preset))
     return table, AutoConfig.from_pretrained(converted_model_dir(model))
 
 

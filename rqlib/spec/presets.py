@@ -23,6 +23,7 @@ book reads them (:func:`rqlib.book.loaders.preset_evidence` quotes them at run t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -52,17 +53,25 @@ PRESETS: dict[str, str] = {
     "rq-3.5": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=3.5",
     "rq-3": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=3",
     "rq-2.5": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=2.5",
+    "rq-2": "turboquant-mse:b3:sink1:win32:wb=8:ctr:nc:nm=6:alloc=2",
 }
+
+
+def _recent_window(spec: str) -> int:
+    """The length of the recent window in a preset's spec (its ``win<N>`` token)."""
+    (match,) = re.findall(r"(?:^|:)win(\d+)(?::|$)", spec)
+    return int(match)
+
 
 #: name -> what the preset is (no measured numbers: those are read from results files).
 DESCRIPTIONS: dict[str, str] = {
     name: (
         f"TurboQuant-MSE keys and values with per-layer bits allocated from measured "
         f"sensitivity within {name.removeprefix('rq-')} bits per coordinate; first token exact, "
-        "64 most recent tokens as 8-bit codes, per-head key centering, norm correction, 11-bit "
-        "norms"
+        f"{_recent_window(spec)} most recent tokens as 8-bit codes, per-head key centering, "
+        "norm correction, 11-bit norms"
     )
-    for name in PRESETS
+    for name, spec in PRESETS.items()
 }
 
 #: Hand-chosen per-layer bits (extra bits for the first layers, a 32-token exact band) at the
@@ -71,12 +80,14 @@ HANDMADE: dict[str, str] = {
     "rq-3.5": "turboquant-mse:b3:k0-3=4:v0-2=4:sink1:win32:ctr:nc",
     "rq-3": "turboquant-mse:k3:v2:k0-2=4:v0-3=3:sink1:win32:ctr:nc",
     "rq-2.5": "turboquant-mse:b2:k0-3=3:v0-2=3:sink1:win32:ctr:nc",
+    "rq-2": "turboquant-mse:k2:v1:k0-2=3:v0-3=2:sink1:win32:ctr:nc",
 }
 
 TARGETS: dict[str, PresetTarget] = {
     "rq-3.5": PresetTarget(3.5, 1.0, 0.01),
-    "rq-3": PresetTarget(3.0, 3.0, 0.03),
+    "rq-3": PresetTarget(3.0, 1.5, 0.03),
     "rq-2.5": PresetTarget(2.5, 10.0, None),
+    "rq-2": PresetTarget(2.0, 10.0, None),
 }
 
 
@@ -94,6 +105,7 @@ PEER_TARGETS: dict[str, PeerTarget] = {
     "rq-3.5": PeerTarget("hf-quanto:int4", 1 / 2),
     "rq-3": PeerTarget("hf-quanto:int4", 1.0),
     "rq-2.5": PeerTarget("hf-quanto:int2", 1 / 3),
+    "rq-2": PeerTarget("hf-quanto:int2", 1 / 10),
 }
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "find_sensitivity",
     "measure_sensitivity",
     "refingerprint_table",
+    "shipped_sensitivity",
     "resolve",
     "with_budget",
 ]
@@ -437,6 +438,21 @@ def find_sensitivity(model: torch.nn.Module, config: CompressionConfig) -> Sensi
         ):
             return table
     return None
+
+
+def shipped_sensitivity(model_name: str, config: CompressionConfig) -> Sensitivity:
+    """The table shipped with rqlib for packaged model ``model_name`` (a name of
+    ``rqlib.hf.models``) and ``config``'s storage format: the table :func:`resolve` allocates
+    ``config`` from on that model, read without loading the model. ``FileNotFoundError`` names
+    the folder, the model and the format when none ships."""
+    base = _base_of(config).spec()
+    for path in sorted(SHIPPED.glob("*.json")):
+        data = read_json(path)
+        if data.get("model") == model_name and data.get("base") == base:
+            return Sensitivity.read(path)
+    raise FileNotFoundError(
+        f"no sensitivity table in {SHIPPED} is for {model_name} and the format {base}"
+    )
 
 
 def resolve(

@@ -18,7 +18,7 @@ file into a ``pandas.DataFrame`` for the book.
 Command line::
 
     python -m rqlib experiment --model smollm2-135m --tokens 8192 \\
-        --presets rq-3.5 rq-3 rq-2.5 --levers none --json results/presets-smollm2.json --force
+        --presets rq-3.5 rq-3 rq-2.5 rq-2 --levers none --json results/presets-smollm2.json --force
     python -m rqlib experiment --model smollm2-135m --tokens 1024 --presets rq-3.5 rq-3 \\
         --json results/ablation-smollm2.json --force
 

@@ -137,9 +137,11 @@ def allocation_figure(table, allocated: Mapping[str, object]) -> Figure:
         axes[0].semilogy(layers, kl, "o-", color=color, ms=3, label=f"{kind}s at {bits} bits")
     axes[0].set_ylabel("KL with only this item compressed, nats")
     for ax, kind, getter in ((axes[1], "key", "key_bits_of"), (axes[2], "value", "value_bits_of")):
-        for offset, (name, config) in zip((-0.25, 0.0, 0.25), allocated.items()):
+        width = 0.8 / len(allocated)
+        for index, (name, config) in enumerate(allocated.items()):
+            offset = (index - (len(allocated) - 1) / 2) * width
             bits = [getattr(config, getter)(layer) for layer in layers]
-            ax.bar([layer + offset for layer in layers], bits, width=0.25, label=name)
+            ax.bar([layer + offset for layer in layers], bits, width=width, label=name)
         ax.set_ylabel(f"allocated {kind} bits")
     for ax in axes:
         ax.set_xlabel("layer")
