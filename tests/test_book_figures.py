@@ -146,3 +146,34 @@ def torch_uniform(rng, n: int):
     import torch
 
     return torch.rand(n, generator=rng, dtype=torch.float64).numpy()
+
+
+@pytest.mark.parametrize("n_presets", [1, 3, 4, 5])
+def test_the_allocation_figure_draws_every_preset_side_by_side(n_presets):
+    """Each preset gets its own bars in each bit panel, none dropped, none overlapping another
+    (a grid of offsets sized for three presets silently dropped a fourth)."""
+    from types import SimpleNamespace
+
+    from rqlib.book.figures.perplexity import allocation_figure
+    from rqlib.spec.config import CompressionConfig
+
+    n_layers = 6
+    kl = {
+        (kind, layer, bits): 0.01 * (layer + 1)
+        for kind in ("key", "value")
+        for layer in range(n_layers)
+        for bits in (2, 3)
+    }
+    table = SimpleNamespace(n_layers=n_layers, kl=kl)
+    allocated = {
+        f"rq-{i}": CompressionConfig.parse(f"turboquant-mse:k{2 + i % 3}:v{1 + i % 3}")
+        for i in range(n_presets)
+    }
+    fig = allocation_figure(table, allocated)
+    for ax in fig.axes[1:]:
+        assert [c.get_label() for c in ax.containers] == list(allocated)
+        lefts = sorted(bar.get_x() for c in ax.containers for bar in c)
+        widths = {round(bar.get_width(), 9) for c in ax.containers for bar in c}
+        (width,) = widths
+        assert all(b - a >= width - 1e-9 for a, b in zip(lefts, lefts[1:]))  # no overlap
+    plt.close(fig)

@@ -214,19 +214,36 @@ def _headline_legend_name(method: str, kind: str) -> str:
     return family if family in PEER_MARKERS else "full precision" if method == "fp" else method
 
 
-def _label_offsets(points: list[tuple[float, float]], ax, gap: float = 11.0) -> list[tuple]:
-    """Offsets in points for the labels of ``points`` (data coordinates) on ``ax``: above and
-    to the right, or below when the label would land on the label of a nearby point with about
-    the same height (within ``gap`` points vertically and 70 points horizontally)."""
-    ax.autoscale_view()
-    shown = ax.transData.transform(points) * 72.0 / ax.figure.dpi
-    offsets, placed = [], []
-    for x, y in shown:
-        clash = any(abs(x - px) < 70 and abs(y + 4 - py) < gap for px, py in placed)
-        dy = -11 if clash else 4
-        offsets.append((5, dy))
-        placed.append((x, y + dy))
-    return offsets
+#: Where a point's label may go, in points from the point, in the order they are tried.
+LABEL_OFFSETS = ((5, 4), (5, -11), (-5, 4), (-5, -11), (5, 14), (5, -21), (-5, 14), (-5, -21))
+
+
+def _place_labels(ax, labels: list[str], points: list[tuple[float, float]], renderer) -> None:
+    """Annotate ``points`` (data coordinates) of ``ax`` with ``labels``, each at the first of
+    :data:`LABEL_OFFSETS` where it overlaps no label placed before it (the first offset when
+    none is free). Call it once the figure's layout is final: the check is done on screen."""
+    placed = []
+    for label, point in zip(labels, points):
+        for dx, dy in LABEL_OFFSETS:
+            text = ax.annotate(
+                label,
+                point,
+                textcoords="offset points",
+                xytext=(dx, dy),
+                ha="left" if dx > 0 else "right",
+                fontsize=7,
+            )
+            box = text.get_window_extent(renderer).padded(3)  # a gap between two labels
+            if not any(box.overlaps(other) for other in placed):
+                break
+            text.remove()
+        else:
+            dx, dy = LABEL_OFFSETS[0]
+            text = ax.annotate(
+                label, point, textcoords="offset points", xytext=(dx, dy), fontsize=7
+            )
+            box = text.get_window_extent(renderer)
+        placed.append(box)
 
 
 def headline_figure(tables: Mapping[int, pd.DataFrame], title: str) -> Figure:
@@ -235,10 +252,11 @@ def headline_figure(tables: Mapping[int, pd.DataFrame], title: str) -> Figure:
     mode measures, right what one forward per window reports. Black: our caches (stars: the
     presets), red: the peers; the line is the Pareto front of each panel. KL is on a symlog
     axis so that a cache that reports zero is still drawn. The legend lists what is drawn, and
-    labels of points at about the same place are moved apart."""
+    no point's label is drawn over another's where a free place is near (:func:`_place_labels`)."""
     rows = len(tables)
     fig, grid = plt.subplots(rows, 2, figsize=(12.0, 4.0 * rows), squeeze=False, sharey=True)
     drawn: dict[str, dict] = {}
+    labels: dict[object, tuple[list[str], list[tuple[float, float]]]] = {}
     for (window, table), axes in zip(tables.items(), grid):
         for ax, (column, mode) in zip(
             axes, (("kl", "decode mode"), ("prefill_kl", "one forward per window"))
@@ -249,15 +267,10 @@ def headline_figure(tables: Mapping[int, pd.DataFrame], title: str) -> Figure:
                 ax.scatter(row.bits_mean, getattr(row, column), **style)
                 drawn.setdefault(_headline_legend_name(row.method, row.kind), style)
             ordered = table.sort_values(["bits_mean", column])
-            points = list(zip(ordered["bits_mean"], ordered[column]))
-            for row, offset in zip(ordered.itertuples(), _label_offsets(points, ax)):
-                ax.annotate(
-                    row.method.removeprefix("preset:"),
-                    (row.bits_mean, getattr(row, column)),
-                    textcoords="offset points",
-                    xytext=offset,
-                    fontsize=7,
-                )
+            labels[ax] = (
+                [method.removeprefix("preset:") for method in ordered["method"]],
+                list(zip(ordered["bits_mean"], ordered[column])),
+            )
             front = pareto_front(table["bits_mean"].tolist(), table[column].tolist())
             picked = table.iloc[front]
             ax.step(picked["bits_mean"], picked[column], where="post", color="C0", lw=1, alpha=0.7)
@@ -274,4 +287,8 @@ def headline_figure(tables: Mapping[int, pd.DataFrame], title: str) -> Figure:
     ]  # fmt: skip
     handles.append(plt.Line2D([], [], color="C0", label="Pareto front"))
     legend_below(fig, handles=handles, ncol=6)
+    fig.canvas.draw()  # the layout is final: the labels are placed on screen
+    renderer = fig.canvas.get_renderer()
+    for ax, (names, points) in labels.items():
+        _place_labels(ax, names, points, renderer)
     return fig
