@@ -197,3 +197,15 @@ def test_a_peer_not_run_at_a_window_fails_its_targets_as_not_measured(rng):
     first = tables[1024].assign(decode_run="token by token")
     numbers = loaders.headline_numbers(tables, targets, first, tables[1024])
     assert "KL / KL of hf-quanto:int2: not measured" in numbers["held_targets_missed"]
+
+
+def test_the_table_lists_fp_then_the_presets_in_their_order_then_the_peers(rng):
+    """Whatever order the files hold the rows in (a random permutation here)."""
+    ours, peers = passing_kls(rng)
+    frame = frame_for(rng, ours, peers)
+    frame = frame.iloc[torch.randperm(len(frame), generator=rng).tolist()]
+    table = loaders.headline_table(frame, "smollm2", 1024)
+    presets = [f"preset:{name}" for name in TARGETS]
+    methods = list(table["method"])
+    assert methods[: 1 + len(presets)] == ["fp", *presets]
+    assert sorted(methods[1 + len(presets) :]) == sorted(PEERS)  # in the order of the files

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from rqlib.book.results import metric_label, results_dir
-from rqlib.spec.presets import PEER_TARGETS, TARGETS
+from rqlib.spec.presets import PEER_TARGETS, PRESETS, TARGETS
 
 __all__ = [
     "COMMITTED",
@@ -489,7 +489,16 @@ def headline_table(
             rows.append(_row(method, one, one, "one forward"))
         else:
             rows.append(_row(method, one, measured, "token by token"))
-    return pd.DataFrame(rows)
+    return pd.DataFrame(sorted(rows, key=_display_order))
+
+
+def _display_order(row: dict) -> tuple[int, int]:
+    """Where a row goes in a side-by-side table (a stable sort keeps file order in a tie): full
+    precision, the presets in the order of :data:`PRESETS`, our other caches, the peers, the
+    control."""
+    presets = [f"preset:{name}" for name in PRESETS]
+    rank = {"fp": 0, "rqlib": 1, "peer": 2, "control": 3}[row["kind"]]
+    return rank, presets.index(row["method"]) if row["method"] in presets else len(presets)
 
 
 def held_out_tables(frame: pd.DataFrame, short: str) -> dict[int, pd.DataFrame]:
