@@ -7,12 +7,13 @@ counted by :func:`rqlib.spec.bits.average_bits` at a context of 4096 tokens (cod
 exact sink tokens, the recent band, calibrated means), is at most that number.
 
 Every preset is TurboQuant-MSE (dense rotation, Lloyd-Max codes) for keys and values with the
-first token exact, the 64 most recent tokens stored as 8-bit codes (``win64:wb=8``), per-head
-key centering, norm correction and 11-bit norms (``nm=6``); what differs is the budget (spec
-token ``alloc=``): the bits of each layer's keys and values are chosen for the model at hand by
-:mod:`rqlib.study.allocation`, from a table of measured sensitivities, so that the average bits
-are at most the budget. A preset is therefore resolved against a model before use
-(``rqlib.study.allocation.resolve``).
+first token exact, the most recent tokens stored as 8-bit codes (``win64:wb=8``; ``rq-2``
+keeps 32, ``win32``, to leave more of its two bits to the codes), per-head key centering, norm
+correction and 11-bit norms (``nm=6``); what differs is the budget (spec token ``alloc=``):
+the bits of each layer's keys and values are chosen for the model at hand by
+:mod:`rqlib.study.allocation`, from a table of sensitivities measured with the preset's own
+recent window, so that the average bits are at most the budget. A preset is therefore resolved
+against a model before use (``rqlib.study.allocation.resolve``).
 
 Every preset is data-free: the key means used for centering are fitted on the ``pydoc``
 calibration corpus and the sensitivities are measured on later ``pydoc`` tokens, never on the
