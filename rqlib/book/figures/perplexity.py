@@ -220,11 +220,11 @@ LABEL_OFFSETS = ((5, 4), (5, -11), (-5, 4), (-5, -11), (5, 14), (5, -21), (-5, 1
 
 def _place_labels(ax, labels: list[str], points: list[tuple[float, float]], renderer) -> None:
     """Annotate ``points`` (data coordinates) of ``ax`` with ``labels``, each at the first of
-    :data:`LABEL_OFFSETS` where it overlaps no label placed before it (the first offset when
+    :data:`LABEL_OFFSETS` where it overlaps no label placed before it (the last offset when
     none is free). Call it once the figure's layout is final: the check is done on screen."""
     placed = []
     for label, point in zip(labels, points):
-        for dx, dy in LABEL_OFFSETS:
+        for attempt, (dx, dy) in enumerate(LABEL_OFFSETS, start=1):
             text = ax.annotate(
                 label,
                 point,
@@ -234,15 +234,9 @@ def _place_labels(ax, labels: list[str], points: list[tuple[float, float]], rend
                 fontsize=7,
             )
             box = text.get_window_extent(renderer).padded(3)  # a gap between two labels
-            if not any(box.overlaps(other) for other in placed):
+            if attempt == len(LABEL_OFFSETS) or not any(box.overlaps(o) for o in placed):
                 break
             text.remove()
-        else:
-            dx, dy = LABEL_OFFSETS[0]
-            text = ax.annotate(
-                label, point, textcoords="offset points", xytext=(dx, dy), fontsize=7
-            )
-            box = text.get_window_extent(renderer)
         placed.append(box)
 
 
