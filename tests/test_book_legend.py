@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_every_token_the_parser_reads_has_a_description():
     short = set(re.findall(r"\w+", config._SHORT.pattern.split("(")[1]))
-    read = set(config._FLAGS) | set(config._KEYED) | short | {"exact", "alloc", "layer bits"}
+    read = set(config._FLAGS) | set(config._KEYED) | short
+    read |= {"exact", "alloc", "layer bits", "group bits"}
     assert read - {"d"} == set(SPEC_TOKENS), sorted(read ^ set(SPEC_TOKENS))
     for name, (forms, meaning) in SPEC_TOKENS.items():
         assert forms.strip() and len(meaning.split()) >= 3, name
@@ -39,6 +40,8 @@ def test_every_form_of_the_legend_parses(name):
         )
         if name == "wb":  # a band's precision needs a band
             base += ":win64"
+        if name == "group bits":  # the widths of the groups of the transforms
+            base += ":kxf:vxf"
         CompressionConfig.parse(f"{base}:{form}")
 
 

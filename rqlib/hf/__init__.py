@@ -23,8 +23,9 @@ the ``_attn_implementation`` of the model's configs to ``"rqlib"`` and back.
 
 Modules: :mod:`~rqlib.hf.integration` (``compress``, ``build_cache``), :mod:`~rqlib.hf.cache`,
 :mod:`~rqlib.hf.codec` (compress, decode and score one layer's keys or values),
-:mod:`~rqlib.hf.attention`, :mod:`~rqlib.hf.calibration`, :mod:`~rqlib.hf.capture` (record what
-every attention layer sees) and :mod:`~rqlib.hf.models` (the packaged models).
+:mod:`~rqlib.hf.attention`, :mod:`~rqlib.hf.calibration`, :mod:`~rqlib.hf.transform` (the
+calibrated transforms of ``kxf``/``vxf``), :mod:`~rqlib.hf.capture` (record what every attention
+layer sees) and :mod:`~rqlib.hf.models` (the packaged models).
 """
 
 from rqlib.hf.cache import CompressedCache

@@ -130,7 +130,9 @@ class CompressedLayer(CacheLayerMixin):
                 )
                 for p in codec.parts
             )
-            return Stream(parts=parts, mean=codec.mean, scale=codec.scale)
+            return Stream(
+                parts=parts, mean=codec.mean, scale=codec.scale, transform=codec.transform
+            )
 
         self.streams = {"keys": ring(self.key_codec), "values": ring(self.value_codec)}
         if self.recent_window:
@@ -380,12 +382,13 @@ class CompressedLayer(CacheLayerMixin):
 
     def constant_nbytes(self) -> int:
         """Bytes of this layer's calibrated constants (key means, channel scales, outlier
-        channel indices), shared by every sequence."""
+        channel indices, transforms), shared by every sequence."""
         total = 0
         for codec in (self.key_codec, self.value_codec, self.key_band_codec, self.value_band_codec):
             if codec is None:
                 continue
-            for tensor in (codec.mean, codec.scale, *(p.channels for p in codec.parts)):
+            matrix = None if codec.transform is None else codec.transform.matrix
+            for tensor in (codec.mean, codec.scale, matrix, *(p.channels for p in codec.parts)):
                 if tensor is not None:
                     total += tensor.numel() * tensor.element_size()
         return total

@@ -10,7 +10,11 @@ by :func:`rqlib.hf.capture.capture_attention` (stock sdpa attention). From them:
   ``[KV, d]``, keys taken after centering (used to pick outlier channels and to scale keys);
 - ``query_energy[l]``: the mean square of each query channel, averaged over the query heads
   that share a KV head, ``[KV, d]``, after RoPE (used to scale keys, see
-  :func:`rqlib.hf.codec.key_channel_scale`).
+  :func:`rqlib.hf.codec.key_channel_scale`);
+- ``key_covariance[l]`` (centred keys), ``query_moment[l]`` (``E[q q^T]`` over the heads of a
+  group), ``value_means[l]`` and ``value_covariance[l]``: the full ``[KV, d, d]`` matrices the
+  calibrated transforms are fitted to (:mod:`rqlib.hf.transform`); the energies above are their
+  diagonals.
 
 The first token of each chunk is left out of the statistics: with no BOS it behaves as an
 attention sink with atypical keys. Results are memoized per model and corpus settings.
@@ -40,6 +44,10 @@ class Calibration:
     key_energy: tuple[torch.Tensor, ...]
     value_energy: tuple[torch.Tensor, ...]
     query_energy: tuple[torch.Tensor, ...]
+    key_covariance: tuple[torch.Tensor, ...]
+    query_moment: tuple[torch.Tensor, ...]
+    value_means: tuple[torch.Tensor, ...]
+    value_covariance: tuple[torch.Tensor, ...]
     corpus: dict
     n_tokens: int
 
@@ -67,7 +75,7 @@ def calibrate(model, tokenizer, corpus_name: str, n_tokens: int) -> Calibration:
             f"the calibration tokenizer produced id {int(ids.max())} >= the model's vocabulary "
             f"({vocab}): pass the model's own tokenizer to compress(..., tokenizer=)"
         )
-    sums = sq_keys = sq_values = sq_queries = None
+    sums: dict[int, tuple] = {}  # per layer: the sums over tokens of k, v, k k^T, v v^T, q q^T
     count = 0
     device = next(model.parameters()).device
     with torch.no_grad(), capture_attention(model) as captured:
@@ -78,36 +86,44 @@ def calibrate(model, tokenizer, corpus_name: str, n_tokens: int) -> Calibration:
             cache = DynamicCache()
             captured.calls.clear()
             model(chunk[None].to(device), cache=cache, use_cache=True)
-            keys = [layer.keys[0, :, 1:].double() for layer in cache.layers]  # [KV, S-1, d]
-            values = [layer.values[0, :, 1:].double() for layer in cache.layers]
-            # per KV head: the sum over tokens of q*q, averaged over the heads of its group
-            sq_q = []
-            for i, k in enumerate(keys):
+            for i, layer in enumerate(cache.layers):
+                k = layer.keys[0, :, 1:].double()  # [KV, S-1, d]
+                v = layer.values[0, :, 1:].double()
                 q = captured.calls[i][-1].query[0, :, 1:].double()  # [H, S-1, d]
-                group = q.shape[0] // k.shape[0]
-                sq_q.append((q * q).reshape(k.shape[0], -1, k.shape[-1]).sum(1) / group)
-            if sums is None:
-                sums = [k.sum(1) for k in keys]
-                sq_keys = [(k * k).sum(1) for k in keys]
-                sq_values = [(v * v).sum(1) for v in values]
-                sq_queries = sq_q
-            else:
-                for i, (k, v) in enumerate(zip(keys, values)):
-                    sums[i] += k.sum(1)
-                    sq_keys[i] += (k * k).sum(1)
-                    sq_values[i] += (v * v).sum(1)
-                    sq_queries[i] += sq_q[i]
+                # per KV head: q q^T summed over tokens, averaged over the heads of its group
+                q = q.reshape(k.shape[0], -1, k.shape[-1])
+                moments = (
+                    k.sum(1),
+                    v.sum(1),
+                    k.transpose(1, 2) @ k,
+                    v.transpose(1, 2) @ v,
+                    q.transpose(1, 2) @ q / (q.shape[1] // k.shape[1]),
+                )
+                sums[i] = tuple(map(torch.add, sums[i], moments)) if i in sums else moments
             count += chunk.numel() - 1
-    means = [s / count for s in sums]
-    # E[(k - mu)^2] = E[k^2] - mu^2 per channel
-    key_energy = [sq / count - mu * mu for sq, mu in zip(sq_keys, means)]
-    value_energy = [sq / count for sq in sq_values]
-    query_energy = [sq / count for sq in sq_queries]
+    key_means, value_means, key_cov, value_cov, query_moment, value_energy = ([] for _ in range(6))
+    for k_sum, v_sum, kk, vv, qq in (sums[i] for i in sorted(sums)):
+        mu, nu = k_sum / count, v_sum / count
+        value_energy.append(vv.diagonal(dim1=-2, dim2=-1) / count)
+        key_means.append(mu)
+        value_means.append(nu)
+        # E[(x - mu)(x - mu)^T] = E[x x^T] - mu mu^T per head
+        key_cov.append(kk / count - mu[:, :, None] * mu[:, None, :])
+        value_cov.append(vv / count - nu[:, :, None] * nu[:, None, :])
+        query_moment.append(qq / count)
+
+    def stored(matrices):
+        return tuple(m.float().cpu() for m in matrices)
+
     result = Calibration(
-        key_means=tuple(m.float().cpu() for m in means),
-        key_energy=tuple(e.float().cpu() for e in key_energy),
-        value_energy=tuple(e.float().cpu() for e in value_energy),
-        query_energy=tuple(e.float().cpu() for e in query_energy),
+        key_means=stored(key_means),
+        key_energy=stored(c.diagonal(dim1=-2, dim2=-1) for c in key_cov),
+        value_energy=stored(value_energy),  # E[v^2], not centred
+        query_energy=stored(m.diagonal(dim1=-2, dim2=-1) for m in query_moment),
+        key_covariance=stored(key_cov),
+        query_moment=stored(query_moment),
+        value_means=stored(value_means),
+        value_covariance=stored(value_cov),
         corpus=corpus.provenance(),
         n_tokens=int(ids.numel()),
     )

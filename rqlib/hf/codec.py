@@ -10,6 +10,10 @@ A :class:`VectorCodec` compresses ``[B, KV, S, d]`` vectors of one layer. It may
   (channel scaling, :func:`key_channel_scale` / :func:`value_channel_scale`): the rotation makes
   the quantization error isotropic in the scaled space, so the weights decide which channels
   get the error. ``<q, k> = <q / a, a * k>`` is exact, so scaling only moves the error;
+- map the centred vectors by a calibrated per-KV-head transform ``T`` before quantizing
+  (:mod:`rqlib.hf.transform`, spec tokens ``kxf``/``vxf``), its parts then covering groups of
+  transformed components; ``<q, k - mu> = <T^-T q, T (k - mu)>`` is exact, so, as with
+  scaling, only the error moves;
 - replace each stored norm by the least-squares scale of the reconstruction (norm correction).
 """
 
@@ -26,6 +30,7 @@ from rqlib.core.gqa import expand_kv_heads, group_size
 from rqlib.core.packing import pack_codes
 from rqlib.core.quantizers import CompressedVectors
 from rqlib.kernels import limits, reference
+from rqlib.kernels.state import Transform
 
 __all__ = [
     "ChannelPart",
@@ -164,8 +169,10 @@ class VectorCodec:
 
     ``parts`` are the channel subsets with their quantizers; ``mean`` (``[KV, d]`` or
     ``None``) is subtracted before quantizing; ``scale`` (``[KV, d]`` or ``None``) multiplies
-    each channel after that and is divided out after decoding; ``norm_correction`` stores, for
-    each vector, the scale ``<x, x_hat> / ||x_hat||^2`` times the norm instead of the norm.
+    each channel after that and is divided out after decoding; ``transform`` (a
+    :class:`~rqlib.kernels.state.Transform` or ``None``) maps the result before the parts
+    quantize it; ``norm_correction`` stores, for each vector, the scale ``<x, x_hat> /
+    ||x_hat||^2`` times the norm instead of the norm.
     """
 
     def __init__(
@@ -175,16 +182,23 @@ class VectorCodec:
         mean: torch.Tensor | None = None,
         norm_correction: bool = False,
         scale: torch.Tensor | None = None,
+        transform: Transform | None = None,
     ) -> None:
         if not parts:
             raise ValueError("a codec needs at least one channel part")
         if scale is not None and (scale.shape[-1] != head_dim or not bool((scale > 0).all())):
             raise ValueError(f"scale must be positive with last dim {head_dim}")
+        if transform is not None and tuple(transform.matrix.shape[-2:]) != (head_dim, head_dim):
+            raise ValueError(
+                f"a transform must be [KV, {head_dim}, {head_dim}], got "
+                f"{tuple(transform.matrix.shape)}"
+            )
         self.parts = tuple(parts)
         self.head_dim = head_dim
         self.mean = mean
         self.norm_correction = norm_correction
         self.scale = scale
+        self.transform = transform
 
     @property
     def bits_per_vector(self) -> int:
@@ -192,11 +206,13 @@ class VectorCodec:
         return sum(part.quantizer.bits_per_vector for part in self.parts)
 
     def _prepared(self, x: torch.Tensor) -> torch.Tensor:
-        """What is quantized: ``(x - mean) * scale``."""
+        """What is quantized: ``T ((x - mean) * scale)``."""
         if self.mean is not None:
             x = x - self.mean.to(x.device, x.dtype)[None, :, None, :]
         if self.scale is not None:
             x = x * self.scale.to(x.device, x.dtype)[None, :, None, :]
+        if self.transform is not None:
+            x = self.transform.forward(x)
         return x
 
     def encode(
@@ -245,6 +261,8 @@ class VectorCodec:
             else:
                 index = part.channels.to(device)[None, :, None, :].expand(batch, -1, length, -1)
                 out = out.scatter(-1, index, decoded)
+        if self.transform is not None:
+            out = self.transform.back(out)
         if self.scale is not None:
             out = out / self.scale.to(device)[None, :, None, :]
         if self.mean is not None:
@@ -261,6 +279,9 @@ class VectorCodec:
             q_scaled = (
                 q / expand_kv_heads(self.scale.to(q.device), q.shape[1], dim=0)[None, :, None]
             )
+        if self.transform is not None:  # <q, T^-1 z> = <T^-T q, z>, per query head
+            inverse = expand_kv_heads(self.transform.inverse.to(q.device), q.shape[1], dim=0)
+            q_scaled = torch.einsum("bhld,hde->bhle", q_scaled, inverse.float())
         total = None
         for part, compressed in zip(self.parts, c.parts):
             estimate = estimate_scores(_gather_channels(q_scaled, part.channels), compressed)

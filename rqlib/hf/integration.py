@@ -20,11 +20,19 @@ from rqlib.hf import attention
 from rqlib.hf.cache import CompressedCache, CompressedLayer
 from rqlib.hf.calibration import Calibration, calibrate, top_channels
 from rqlib.hf.codec import ChannelPart, VectorCodec, key_channel_scale, value_channel_scale
+from rqlib.hf.transform import LayerTransform, fit_layer
 from rqlib.spec.codecs import CodecPlan, layer_plan
 from rqlib.spec.config import CompressionConfig
 from rqlib.spec.geometry import model_geometry
 
-__all__ = ["attention_modules", "build_cache", "check_config", "compress"]
+__all__ = [
+    "attention_modules",
+    "build_cache",
+    "calibration_tokenizer",
+    "check_config",
+    "compress",
+    "output_projection",
+]
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -54,6 +62,23 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return modules
 
 
+def _transform_codec(plan: CodecPlan, fitted: LayerTransform, norm_correction: bool) -> VectorCodec:
+    """The codec of a transform plan: its parts over the groups of each width, in every head."""
+    quantizers = plan.quantizers()
+    kv_heads, head_dim = fitted.mean.shape
+    parts = [
+        ChannelPart(quantizer, torch.tensor(channels).expand(kv_heads, -1))
+        for quantizer, channels in zip(quantizers, plan.part_channels())
+    ]
+    return VectorCodec(
+        parts,
+        head_dim,
+        mean=fitted.mean,
+        norm_correction=norm_correction,
+        transform=fitted.transform,
+    )
+
+
 def _codec(
     plan: CodecPlan,
     head_dim: int,
@@ -77,15 +102,31 @@ def _codec(
     return VectorCodec(parts, head_dim, mean=mean, norm_correction=norm_correction, scale=scale)
 
 
-def _output_projection(module: torch.nn.Module) -> torch.nn.Linear:
+def output_projection(module: torch.nn.Module) -> torch.nn.Linear:
     """The attention output projection (``o_proj``) whose columns weight value errors."""
     projection = getattr(module, "o_proj", None)
     if not isinstance(projection, torch.nn.Linear):
         raise ValueError(
-            f"value scaling (vs) needs the attention's output projection 'o_proj'; "
+            f"value scaling and transforms (vs, vxf) need the attention's output projection "
+            f"'o_proj'; "
             f"{type(module).__name__} has none"
         )
     return projection
+
+
+def calibration_tokenizer(model: torch.nn.Module, tokenizer=None):
+    """``tokenizer``, or the one of ``model.name_or_path`` (a calibrated config needs one)."""
+    if tokenizer is not None:
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model.name_or_path)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            "this config is calibrated on a corpus; pass compress(..., tokenizer=...) "
+            f"(loading one from {model.name_or_path!r} failed: {error})"
+        ) from error
 
 
 def _check_buildable(config: CompressionConfig, head_dim: int, calibration) -> None:
@@ -151,13 +192,23 @@ def _layer(
     if config.scale_keys:
         key_scale = key_channel_scale(calibration.query_energy[layer], key_energy)
     nc = config.norm_correction
-    key_codec = _codec(plan.key, head_dim, key_mean, key_energy, key_scale, nc)
+    if plan.key.groups is not None:
+        fitted = fit_layer(calibration, layer, "keys")
+        key_codec = _transform_codec(plan.key, fitted, nc)
+        key_mean = fitted.mean  # the band's keys are centred with the same mean
+    else:
+        key_codec = _codec(plan.key, head_dim, key_mean, key_energy, key_scale, nc)
     value_codec = None
-    if plan.value is not None:
+    if plan.value is not None and plan.value.groups is not None:
+        weight = output_projection(module).weight
+        value_codec = _transform_codec(
+            plan.value, fit_layer(calibration, layer, "values", weight), nc
+        )
+    elif plan.value is not None:
         value_scale = None
         if config.scale_values:
             value_scale = value_channel_scale(
-                _output_projection(module).weight, calibration.value_energy[layer]
+                output_projection(module).weight, calibration.value_energy[layer]
             )
         value_energy = calibration.value_energy[layer] if config.value_outliers else None
         value_codec = _codec(plan.value, head_dim, None, value_energy, value_scale, nc)
@@ -297,18 +348,11 @@ def compress(
     attention.register()
     calibration = None
     if config.needs_calibration:
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
-            except (OSError, ValueError) as error:
-                raise ValueError(
-                    "this config is calibrated on a corpus; pass compress(..., tokenizer=...) "
-                    f"(loading one from {model.name_or_path!r} failed: {error})"
-                ) from error
         calibration = calibrate(
-            model, tokenizer, config.calibration_corpus, config.calibration_tokens
+            model,
+            calibration_tokenizer(model, tokenizer),
+            config.calibration_corpus,
+            config.calibration_tokens,
         )
     cache = build_cache(model, config, calibration)
     configs = _attention_configs(model)

@@ -252,6 +252,12 @@ def check_stream(stream, name: str, *, values: bool = False) -> None:
     (a codec, a :class:`~rqlib.kernels.state.Stream`, or ``None`` for exact vectors)."""
     if stream is None or getattr(stream, "is_exact", False):
         return
+    if getattr(stream, "transform", None) is not None:
+        token = "vxf" if values else "kxf"
+        raise ValueError(
+            f"{name}: the calibrated transform (spec token {token}) has no fused attention "
+            f"kernel; on CUDA use a config without {token} (it runs on the CPU's torch path)"
+        )
     if len(stream.parts) != 1 or stream.parts[0].channels is not None:
         raise ValueError(
             f"{name}: an outlier channel split (spec tokens ko/vo/out) has no fused attention "

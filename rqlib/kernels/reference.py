@@ -87,6 +87,8 @@ def _query_side(stream: Stream, rows: torch.Tensor) -> _Queries:
     if stream.is_exact:
         return _Queries([], None)
     scaled = rows if stream.scale is None else rows / _per_head(stream.scale, rows)
+    if stream.transform is not None:
+        scaled = stream.transform.queries(scaled)
     parts = []
     for part in stream.parts:
         qz = part.quantizer
@@ -167,6 +169,8 @@ class _Values:
             else:
                 index = part.channels.to(device)[None, :, None, :].expand(*back.shape)
                 out = out.scatter_add(-1, index, back)
+        if stream.transform is not None:
+            out = stream.transform.back(out)
         if stream.scale is not None:
             out = out / _per_head(stream.scale, out)
         if stream.mean is not None and self.weight is not None:

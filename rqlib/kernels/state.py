@@ -5,7 +5,8 @@
 :mod:`rqlib.kernels.reference` and the Triton one in :mod:`rqlib.kernels.launch`):
 
 - ``keys`` / ``values``: the main streams, every stored token (:class:`Stream`: packed parts of
-  a codec with its per-head mean and channel scale, or exact vectors);
+  a codec with its per-head mean, channel scale or calibrated :class:`Transform`, or exact
+  vectors);
 - ``band_keys`` / ``band_values``: the recent band (codes of the band codecs, or exact): query
   ``i`` reads keys ``i - band + 1 .. i`` from them instead of the main streams;
 - ``sink_keys`` / ``sink_values``: the first ``n_sink`` tokens, exact; they take precedence over
@@ -28,7 +29,7 @@ import torch
 
 from rqlib.kernels.store import VectorRing
 
-__all__ = ["AttentionState", "CausalMask", "DenseMask", "Part", "Stream"]
+__all__ = ["AttentionState", "CausalMask", "DenseMask", "Part", "Stream", "Transform"]
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,43 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Transform:
+    """A calibrated linear map per KV head: ``matrix`` ``T`` and ``inverse`` ``[KV, d, d]``.
+
+    A codec with a transform quantizes ``z = T (x - mean)`` and reads back ``x = T^-1 z +
+    mean``; a score is ``<q, x - mean> = <T^-T q, z>``, so queries go through ``T^-T`` once
+    and the codes are never mapped back, and a weighted sum of values is mapped back once."""
+
+    matrix: torch.Tensor
+    inverse: torch.Tensor
+
+    def _on(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t.to(device=like.device, dtype=like.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``T x`` for rows ``[B, KV, R, d]``."""
+        return torch.einsum("bkrd,ked->bkre", x, self._on(self.matrix, x))
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``T^-T q`` for rows ``[B, KV, R, d]``: ``<q, T^-1 z> = <T^-T q, z>``."""
+        return torch.einsum("bkrd,kde->bkre", q, self._on(self.inverse, q))
+
+    def back(self, z: torch.Tensor) -> torch.Tensor:
+        """``T^-1 z`` for rows ``[B, KV, R, d]``."""
+        return torch.einsum("bkre,kde->bkrd", z, self._on(self.inverse, z))
+
+
+@dataclass(frozen=True)
 class Stream:
     """Keys or values of one layer: packed ``parts`` of a codec that quantized
-    ``(x - mean) * scale`` (``mean``/``scale`` ``[KV, d]`` or ``None``), or an ``exact`` ring."""
+    ``(x - mean) * scale`` (``mean``/``scale`` ``[KV, d]`` or ``None``), mapped by ``transform``
+    when there is one, or an ``exact`` ring."""
 
     parts: tuple[Part, ...] = ()
     exact: VectorRing | None = None
     mean: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    transform: Transform | None = None
 
     def __post_init__(self) -> None:
         if bool(self.parts) == (self.exact is not None):

@@ -5,14 +5,16 @@ cache builds (codes, norms, QJL signs and residual norms: ``bits_per_vector``), 
 tokens at 16 bits and the recent band (16 bits, or its codec's bits with ``wb=``) amortized
 over ``context`` tokens, exact layers at 16 bits, and per-layer calibrated constants (key
 means and channel scales at 16 bits per coordinate, outlier channel indices at 8 bits)
-amortized the same way. Every layer is counted as storing every token; a sliding-window layer
+amortized the same way. A calibrated transform (``kxf``, ``vxf``) stores, per layer and KV
+head, its ``d x d`` matrix and its mean at 16 bits and one 8-bit width per group, amortized
+the same way. Every layer is counted as storing every token; a sliding-window layer
 of the cache of :mod:`rqlib.hf` (Gemma 3's local layers) evicts the tokens its window can no
 longer see, so for such models the count is an upper bound on what is stored.
 """
 
 from __future__ import annotations
 
-from rqlib.spec.codecs import codec_plan, layer_plan
+from rqlib.spec.codecs import TRANSFORM_GROUP, codec_plan, layer_plan
 from rqlib.spec.geometry import model_geometry
 
 __all__ = ["EXACT_BITS", "average_bits", "bytes_per_token", "codec_bits"]
@@ -23,6 +25,13 @@ EXACT_BITS = 16  # a deployed cache keeps exact tokens in fp16/bf16
 def codec_bits(config, method: str, bits: int, head_dim: int, outliers: int = 0) -> float:
     """Bits per coordinate of one vector under ``method`` (with an outlier split if any)."""
     return codec_plan(config, method, bits, head_dim, outliers=outliers).bits_per_vector / head_dim
+
+
+def _transform_side_bits(head_dim: int, context: int) -> float:
+    """A transform's matrix (16 bits a constant) and group widths (8 bits each) per coordinate
+    of ``context`` tokens (its mean is counted with the other per-head vectors)."""
+    groups = head_dim // TRANSFORM_GROUP
+    return (EXACT_BITS * head_dim * head_dim + 8 * groups) / (head_dim * context)
 
 
 def _check_context(context) -> None:
@@ -59,7 +68,9 @@ def average_bits(config, model_config, context: int = 4096) -> dict:
 
         key = plan.key.bits_per_vector / head_dim
         key += EXACT_BITS * sink + band(plan.key_band) * recent
-        key += per_head * (config.center_keys + config.scale_keys)
+        key += per_head * ((config.center_keys or config.transform_keys) + config.scale_keys)
+        if config.transform_keys:
+            key += _transform_side_bits(head_dim, context)
         key += 8 * config.key_outliers / (head_dim * context)  # channel indices per head
         if plan.value is None:
             value = float(EXACT_BITS)
@@ -67,7 +78,9 @@ def average_bits(config, model_config, context: int = 4096) -> dict:
             value = plan.value.bits_per_vector / head_dim
             value += EXACT_BITS * sink + band(plan.value_band) * recent
             value += 8 * config.value_outliers / (head_dim * context)
-            value += per_head * config.scale_values
+            value += per_head * (config.scale_values + config.transform_values)
+            if config.transform_values:
+                value += _transform_side_bits(head_dim, context)
         key_total += key
         value_total += value
     key_bits, value_bits = key_total / geometry.layers, value_total / geometry.layers

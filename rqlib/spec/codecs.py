@@ -3,12 +3,14 @@
 :func:`layer_plan` says, for one layer, which codecs the compressed cache uses (keys, values,
 the recent band's keys and values) and :func:`codec_plan` which quantizers make up each codec
 (one over all channels, or one over calibrated outlier channels at extra bits and one over the
-rest). The cache builder (:func:`rqlib.hf.integration.build_cache`) turns these plans into codecs;
-the bit accounting (:mod:`rqlib.spec.bits`) sums their ``bits_per_vector``. Both therefore
-count and build the same quantizers, with the same seeds.
+rest; with ``kxf``/``vxf``, :func:`transform_plan`: one per bit width of the groups of
+calibrated components). The cache builder (:func:`rqlib.hf.integration.build_cache`) turns
+these plans into codecs; the bit accounting (:mod:`rqlib.spec.bits`) sums their
+``bits_per_vector``. Both therefore count and build the same quantizers, with the same seeds.
 
 Seeds: layer ``l`` of a config with ``seed=s`` draws its rotations and sketches from
-``s * 1_000_000 + 10 * l`` plus an offset per codec (:data:`SEED_OFFSETS`).
+``s * 1_000_000 + 10 * l`` plus an offset per codec (:data:`SEED_OFFSETS`); part ``j`` of a
+transform codec adds ``j * PART_SEED_STEP``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rqlib.core.quantizers import Quantizer, make_quantizer
 
 __all__ = [
     "SEED_OFFSETS",
+    "TRANSFORM_GROUP",
     "CodecPlan",
     "LayerPlan",
     "PartPlan",
@@ -31,6 +34,10 @@ __all__ = [
 
 #: Offsets added to a layer's seed for each codec (and for the outlier part of a codec).
 SEED_OFFSETS = {"key": 0, "value": 1, "outliers": 2, "key_band": 3, "value_band": 4}
+#: Components per group of one bit width in a calibrated transform codec (``kxf``, ``vxf``).
+TRANSFORM_GROUP = 16
+#: Seed step between the parts of a transform codec (above any layer's ``10 * layer + offset``).
+PART_SEED_STEP = 100_000
 
 
 @dataclass(frozen=True)
@@ -87,13 +94,32 @@ def _quantizer(method: str, dim: int, bits: int, seed: int, options: QuantizerOp
 @dataclass(frozen=True)
 class CodecPlan:
     """The quantizers of one codec: ``parts[0]`` covers the outlier channels when
-    ``outliers > 0`` (then ``parts[1]`` covers the rest), else ``parts[0]`` covers all."""
+    ``outliers > 0`` (then ``parts[1]`` covers the rest), else ``parts[0]`` covers all.
+
+    A transform codec (``groups``: the bit width of each group of :data:`TRANSFORM_GROUP`
+    transformed components) has one part per distinct non-zero width, widest first, over the
+    components of the groups of that width; groups of 0 bits are not stored."""
 
     method: str
     bits: int
     outliers: int
     parts: tuple[PartPlan, ...]
     options: QuantizerOptions
+    groups: tuple[int, ...] | None = None
+
+    def part_channels(self) -> list[list[int]]:
+        """The transformed components each part covers (transform codecs only)."""
+        if self.groups is None:
+            raise ValueError("only a transform codec has groups of components")
+        return [
+            [
+                g * TRANSFORM_GROUP + i
+                for g, b in enumerate(self.groups)
+                if b == width
+                for i in range(TRANSFORM_GROUP)
+            ]
+            for width in _widths(self.groups)
+        ]
 
     def quantizers(self) -> tuple[Quantizer, ...]:
         """The quantizers, built from their seeds (memoized: equal plans share them)."""
@@ -131,6 +157,38 @@ def layer_seed(config, layer: int) -> int:
     return config.seed * 1_000_000 + layer * 10
 
 
+def _widths(groups: tuple[int, ...]) -> list[int]:
+    return sorted({b for b in groups if b > 0}, reverse=True)
+
+
+def transform_plan(
+    config, method: str, bits: int, head_dim: int, seed: int, groups: tuple[int, ...]
+) -> CodecPlan:
+    """The parts of a transform codec whose groups have widths ``groups``."""
+    if head_dim != TRANSFORM_GROUP * len(groups):
+        raise ValueError(
+            f"{config.label}: {len(groups)} groups of {TRANSFORM_GROUP} components do not cover "
+            f"head_dim {head_dim}"
+        )
+    options = QuantizerOptions.of(config, method)
+    parts = tuple(
+        PartPlan(TRANSFORM_GROUP * groups.count(width), width, seed + index * PART_SEED_STEP)
+        for index, width in enumerate(_widths(groups))
+    )
+    return CodecPlan(method, bits, 0, parts, options, groups)
+
+
+def _groups_of(config, layer: int, which: str) -> tuple[int, ...]:
+    table = dict(config.key_group_bits if which == "k" else config.value_group_bits)
+    if layer not in table:
+        token = "kxf" if which == "k" else "vxf"
+        raise ValueError(
+            f"{config.label}: {token} has no group widths for layer {layer}; resolve the config "
+            "against its model first (rqlib.study.allocation.resolve, or rqlib.compress)"
+        )
+    return table[layer]
+
+
 def codec_plan(
     config,
     method: str,
@@ -164,17 +222,21 @@ def layer_plan(config, layer: int, n_layers: int, head_dim: int) -> LayerPlan:
     if layer in config.exact_layer_set(n_layers):
         return LayerPlan(exact=True)
     seed = layer_seed(config, layer)
-    key = codec_plan(
-        config,
-        config.method,
-        config.key_bits_of(layer),
-        head_dim,
-        seed + SEED_OFFSETS["key"],
-        config.key_outliers,
-    )
+    key_bits, key_seed = config.key_bits_of(layer), seed + SEED_OFFSETS["key"]
+    if config.transform_keys:
+        groups = _groups_of(config, layer, "k")
+        key = transform_plan(config, config.method, key_bits, head_dim, key_seed, groups)
+    else:
+        key = codec_plan(config, config.method, key_bits, head_dim, key_seed, config.key_outliers)
     value_bits = config.value_bits_of(layer)
     value = None
-    if value_bits is not None:
+    if value_bits is not None and config.transform_values:
+        groups = _groups_of(config, layer, "v")
+        value_seed = seed + SEED_OFFSETS["value"]
+        value = transform_plan(
+            config, config.value_method, value_bits, head_dim, value_seed, groups
+        )
+    elif value_bits is not None:
         value = codec_plan(
             config,
             config.value_method,

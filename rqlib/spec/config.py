@@ -20,6 +20,12 @@ override it). TOKENs (``name=value`` or the short form):
                        norms as ``nm`` says) instead of exact 16-bit copies
 ``exact=0,-1``         layers kept exact (negative counts from the end); ``exact=none``
 ``ctr``                per-layer, per-KV-head key centering with a mean calibrated on pydoc
+``kxf`` / ``vxf``      keys / values through a calibrated transform per layer and KV head (the
+                       eigenvectors of the query- / o_proj-weighted covariance, centred), its
+                       components in groups of 16 with one bit width a group chosen by
+                       water-filling, each width's components coded as one TurboQuant vector;
+                       the torch path only, refused on CUDA. The widths are resolved against
+                       the model (``kg3=5331``: layer 3's key groups at 5, 3, 3 and 1 bits)
 ``ks``                 key channel scaling: each channel weighted by (query / key energy)^1/4,
                        calibrated on pydoc, so the error goes where queries do not look
 ``vs``                 value channel scaling by (o_proj column energy / value energy)^1/4
@@ -148,6 +154,10 @@ class CompressionConfig:
     trellis_state_bits: int | None = None
     norm_mantissa: int | None = None
     center_keys: bool = False
+    transform_keys: bool = False
+    transform_values: bool = False
+    key_group_bits: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    value_group_bits: tuple[tuple[int, tuple[int, ...]], ...] = ()
     scale_keys: bool = False
     scale_values: bool = False
     n_sink: int = 0
@@ -278,6 +288,7 @@ class CompressionConfig:
                 "norm_correction rescales the MSE reconstruction, which would invalidate the QJL "
                 "residual of the -prod methods; use it with an -mse method",
             )
+        self._check_transforms()
         if self.calibration_corpus not in CORPORA:
             raise ConfigFieldError(
                 "calibration_corpus",
@@ -296,6 +307,66 @@ class CompressionConfig:
         if self.budget is not None:
             self._check_budget()
 
+    def _check_transforms(self) -> None:
+        """The calibrated transforms (``kxf``, ``vxf``) and their group widths (``kg``, ``vg``)."""
+        if self.transform_keys:
+            if self.is_prod:
+                raise ConfigFieldError(
+                    "transform_keys", "kxf is implemented for the -mse methods only"
+                )
+            if self.scale_keys or self.key_outliers:
+                raise ConfigFieldError(
+                    "transform_keys",
+                    "kxf replaces key channel scaling and outlier channels (ks, ko, out): "
+                    "use one or the other",
+                )
+        if self.transform_values:
+            if self.value_bits is None and not self.layer_value_bits:
+                raise ConfigFieldError(
+                    "transform_values", "vxf needs compressed values (value_bits is None)"
+                )
+            if self.scale_values or self.value_outliers:
+                raise ConfigFieldError(
+                    "transform_values",
+                    "vxf replaces value channel scaling and outlier channels (vs, vo, out): "
+                    "use one or the other",
+                )
+        for field_name, enabled, which in (
+            ("key_group_bits", self.transform_keys, "k"),
+            ("value_group_bits", self.transform_values, "v"),
+        ):
+            table = getattr(self, field_name)
+            token = "kxf" if which == "k" else "vxf"
+            if table and not enabled:
+                raise ConfigFieldError(
+                    field_name, f"{which}g= gives the group widths of {token}: add {token}"
+                )
+            layers = [layer for layer, _ in table]
+            if len(set(layers)) != len(layers):
+                raise ConfigFieldError(field_name, f"{field_name} lists a layer twice: {layers}")
+            if len({len(groups) for _, groups in table}) > 1:
+                raise ConfigFieldError(
+                    field_name, f"{field_name}: every layer must have the same number of groups"
+                )
+            for layer, groups in table:
+                _check_count(f"layer index in {field_name}", layer, field_name, "layer")
+                if not groups or any(
+                    isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BITS
+                    for b in groups
+                ):
+                    raise ConfigFieldError(
+                        field_name,
+                        f"group widths of layer {layer} must be ints in 0..{MAX_BITS}, "
+                        f"got {groups!r}",
+                    )
+                bits = self.key_bits_of(layer) if which == "k" else self.value_bits_of(layer)
+                if bits is None or sum(groups) != bits * len(groups):
+                    raise ConfigFieldError(
+                        field_name,
+                        f"the {len(groups)} groups of layer {layer} average "
+                        f"{sum(groups) / len(groups):g} bits, not the layer's {bits} bits",
+                    )
+
     def _check_budget(self) -> None:
         """A budget chooses every layer's bits: refuse what it could not honour."""
         budget = self.budget
@@ -306,6 +377,12 @@ class CompressionConfig:
         if self.is_prod:
             raise ConfigFieldError(
                 "budget", "alloc= (a bit budget) is implemented for the -mse methods only"
+            )
+        if self.transform_keys or self.transform_values:
+            raise ConfigFieldError(
+                "budget",
+                "alloc= cannot count the parts a calibrated transform (kxf, vxf) stores, which "
+                "its calibration decides: give the bits per layer instead",
             )
         if self.value_bits is None:
             raise ConfigFieldError(
@@ -342,6 +419,8 @@ class CompressionConfig:
         """Whether :func:`rqlib.hf.compress` must run the calibration corpus first."""
         return (
             self.center_keys
+            or self.transform_keys
+            or self.transform_values
             or self.scale_keys
             or self.scale_values
             or self.key_outliers > 0
@@ -387,9 +466,13 @@ class CompressionConfig:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples become lists); :meth:`from_dict` inverts it."""
         out = dataclasses.asdict(self)
+
+        def listed(value):
+            return [listed(item) for item in value] if isinstance(value, (tuple, list)) else value
+
         for key, value in out.items():
-            if isinstance(value, tuple):
-                out[key] = [list(item) if isinstance(item, tuple) else item for item in value]
+            if isinstance(value, (tuple, list)):
+                out[key] = listed(value)
         return out
 
     @classmethod
@@ -405,6 +488,9 @@ class CompressionConfig:
         for key in ("layer_key_bits", "layer_value_bits"):
             if key in kwargs:
                 kwargs[key] = tuple(tuple(item) for item in kwargs[key])
+        for key in ("key_group_bits", "value_group_bits"):
+            if key in kwargs:
+                kwargs[key] = tuple((layer, tuple(groups)) for layer, groups in kwargs[key])
         if "exact_layers" in kwargs:
             kwargs["exact_layers"] = tuple(kwargs["exact_layers"])
         return cls(**kwargs)
@@ -454,6 +540,8 @@ class CompressionConfig:
                 changes["value_bits"] = BUDGET_START_BITS  # a budget compresses values
         changes["layer_key_bits"] = tuple(sorted(tokens_read.layer_keys.items()))
         changes["layer_value_bits"] = tuple(sorted(tokens_read.layer_values.items()))
+        changes["key_group_bits"] = tuple(sorted(tokens_read.groups["k"].items()))
+        changes["value_group_bits"] = tuple(sorted(tokens_read.groups["v"].items()))
         changes["name"] = spec.strip()
         try:
             return base.replace(**changes) if base is not None else cls(**changes)
@@ -479,6 +567,12 @@ class CompressionConfig:
             tokens.append("exact=" + ",".join(str(layer) for layer in self.exact_layers))
         if self.center_keys:
             tokens.append("ctr")
+        if self.transform_keys:
+            tokens.append("kxf")
+        if self.transform_values:
+            tokens.append("vxf")
+        tokens += _group_tokens("k", self.key_group_bits)
+        tokens += _group_tokens("v", self.value_group_bits)
         if self.scale_keys:
             tokens.append("ks")
         if self.scale_values:
@@ -515,14 +609,32 @@ class CompressionConfig:
         return ":".join(tokens)
 
 
+def _group_tokens(which: str, table) -> list[str]:
+    """``kg0-2=5331``-style tokens for a group-width table, runs of equal layers as ranges."""
+    tokens: list[str] = []
+    runs: list[list] = []  # [first, last, groups]
+    for layer, groups in table:
+        if runs and runs[-1][1] == layer - 1 and runs[-1][2] == groups:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, groups])
+    for first, last, groups in runs:
+        layers = str(first) if first == last else f"{first}-{last}"
+        tokens.append(f"{which}g{layers}=" + "".join(str(b) for b in groups))
+    return tokens
+
+
 _SHORT = re.compile(r"^(k|v|b|sink|win|ko|vo|out)(\d+)$")
 _LAYER_BITS = re.compile(r"^([kv])(\d+)(?:-(\d+))?=(\d+|fp)$")
+_GROUP_BITS = re.compile(r"^([kv])g(\d+)(?:-(\d+))?=(\d+)$")
 _FLAGS = {
     "ctr": ("center_keys", True),
     "ks": ("scale_keys", True),
     "vs": ("scale_values", True),
     "nc": ("norm_correction", True),
     "tcq": ("trellis_state_bits", TRELLIS_STATE_BITS),
+    "kxf": ("transform_keys", True),
+    "vxf": ("transform_values", True),
 }
 _KEYED = {
     "k": "key_bits",
@@ -574,6 +686,21 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
     "win": ("win32", "the W most recent tokens of each query kept exact (the recent band)"),
     "wb": ("wb=8", "the recent band stored as 8-bit codes instead of exact copies"),
     "ctr": ("ctr", "per-head key centering, its mean calibrated on pydoc (never the eval text)"),
+    "kxf": (
+        "kxf",
+        "keys through a calibrated transform (query-weighted eigenvectors, centred), groups of "
+        "16 components at water-filled widths (torch path; refused on CUDA)",
+    ),
+    "vxf": (
+        "vxf",
+        "values through a calibrated transform (o_proj-weighted eigenvectors, centred), groups "
+        "of 16 components at water-filled widths (torch path; refused on CUDA)",
+    ),
+    "group bits": (
+        "kg3=5331 | vg0-29=4431",
+        "the widths of the groups of kxf / vxf for a layer or range (set by resolving against "
+        "the model; each layer's groups average its bits)",
+    ),
     "ks": ("ks", "key channels scaled by calibrated query / key energies"),
     "vs": ("vs", "value channels scaled by calibrated o_proj energies"),
     "ko": ("ko32", "32 calibrated key outlier channels stored with more bits"),
@@ -624,6 +751,10 @@ class _Tokens:
         self.changes: dict[str, Any] = {}
         self.layer_keys = dict(base.layer_key_bits) if base else {}
         self.layer_values = dict(base.layer_value_bits) if base else {}
+        self.groups: dict[str, dict[int, tuple[int, ...]]] = {
+            "k": dict(base.key_group_bits) if base else {},
+            "v": dict(base.value_group_bits) if base else {},
+        }
         self.origin: dict[str, str] = {}
         self.layer_origin: dict[tuple[str, int], str] = {}
 
@@ -686,6 +817,21 @@ class _Tokens:
                 self.set(token, "value_outliers", number)
             else:
                 self.set(token, _KEYED[name], number)
+            return
+        match = _GROUP_BITS.match(token)
+        if match:
+            which, first, last, digits = match.groups()
+            last = last if last is not None else first
+            if int(last) < int(first):
+                raise self._error(token, "empty layer range")
+            if int(last) > LIMITS["layer"]:
+                raise self._error(token, f"layer {last} is out of range")
+            for layer in range(int(first), int(last) + 1):
+                if (which + "g", layer) in self.layer_origin:
+                    raise self._error(token, f"sets the groups of layer {layer} again")
+                self.layer_origin[(which + "g", layer)] = token
+                self.groups[which][layer] = tuple(int(d) for d in digits)
+            self.origin.setdefault(f"{'key' if which == 'k' else 'value'}_group_bits", token)
             return
         match = _LAYER_BITS.match(token)
         if match:

@@ -46,7 +46,10 @@ import torch
 from rqlib.base.corpora import load_corpus, tokenize_corpus
 from rqlib.base.files import CorruptFileError, atomic_write_text, file_lock, read_json
 from rqlib.base.paths import cache_dir
+from rqlib.hf.calibration import calibrate
+from rqlib.hf.integration import attention_modules, calibration_tokenizer, output_projection
 from rqlib.hf.models import load_model
+from rqlib.hf.transform import fit_layer, group_widths
 from rqlib.hf.weights import signature_digest, signatures_match, weight_signature
 from rqlib.spec.bits import average_bits, codec_bits
 from rqlib.spec.config import CompressionConfig, get_preset
@@ -64,6 +67,7 @@ __all__ = [
     "refingerprint_table",
     "shipped_sensitivity",
     "resolve",
+    "resolve_transforms",
     "with_budget",
 ]
 
@@ -463,8 +467,10 @@ def resolve(
     context: int = 4096,
     progress: bool = True,
 ) -> CompressionConfig:
-    """``config`` (or a spec string) with its budget turned into per-layer bits for ``model``
-    (a config without a budget is returned unchanged).
+    """``config`` (or a spec string) with its budget turned into per-layer bits for ``model``,
+    and the group widths of its calibrated transforms (``kxf``, ``vxf``) chosen for it
+    (:func:`resolve_transforms`); a config with neither is returned
+    unchanged.
 
     An impossible budget is refused first (:func:`check_budget`). The sensitivity table is
     looked up with :func:`find_sensitivity`; if there is none it is measured (announced on
@@ -474,7 +480,7 @@ def resolve(
     if isinstance(config, str):
         config = CompressionConfig.parse(config)
     if config.budget is None:
-        return config
+        return resolve_transforms(config, model, tokenizer)
     check_budget(config, model.config, context)
     sensitivity = find_sensitivity(model, config)
     if sensitivity is None:
@@ -548,3 +554,37 @@ def measure_table(
     payload["command"] = command
     payload["seconds"] = round(time.time() - started, 1)
     return sensitivity, payload
+
+
+def resolve_transforms(config, model, tokenizer):
+    """``config`` with the group widths of its transforms (``kxf``, ``vxf``) chosen for
+    ``model``, from a calibration on ``config.calibration_corpus`` with ``tokenizer`` (default:
+    the model's own); unchanged without them, or when every layer has its widths already."""
+    if not (config.transform_keys or config.transform_values):
+        return config
+    modules = attention_modules(model)
+    exact = config.exact_layer_set(len(modules))
+    keys, values = dict(config.key_group_bits), dict(config.value_group_bits)
+    layers = [i for i in range(len(modules)) if i not in exact]
+    missing_keys = config.transform_keys and any(i not in keys for i in layers)
+    missing_values = config.transform_values and any(
+        i not in values for i in layers if config.value_bits_of(i) is not None
+    )
+    if not (missing_keys or missing_values):
+        return config
+    tokenizer = calibration_tokenizer(model, tokenizer)
+    calibration = calibrate(model, tokenizer, config.calibration_corpus, config.calibration_tokens)
+    for layer in layers:
+        if config.transform_keys and layer not in keys:
+            spectrum = fit_layer(calibration, layer, "keys").spectrum
+            keys[layer] = group_widths(spectrum, config.key_bits_of(layer))
+        value_bits = config.value_bits_of(layer)
+        if config.transform_values and value_bits is not None and layer not in values:
+            weight = output_projection(modules[layer]).weight
+            spectrum = fit_layer(calibration, layer, "values", weight).spectrum
+            values[layer] = group_widths(spectrum, value_bits)
+    return config.replace(
+        key_group_bits=tuple(sorted(keys.items())),
+        value_group_bits=tuple(sorted(values.items())),
+        name=config.name,
+    )
