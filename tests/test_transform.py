@@ -220,3 +220,20 @@ def test_the_gpu_kernels_refuse_a_transform_naming_its_token(rng):
     layer = build_cache(model, config, calibration).layers[0]
     with pytest.raises(ValueError, match="spec token kxf"):
         kernels.check_layer(layer.key_codec, layer.value_codec)
+
+
+def test_the_calibration_chunk_sets_the_positions_the_statistics_see(rng):
+    """``clen`` reads and writes; chunks of another length give other key statistics after
+    RoPE (other positions), memoized apart; a chunk below 2 tokens is refused."""
+    config = CompressionConfig.parse("turboquant-mse:k3:ctr:ctok=300:clen=150")
+    assert config.calibration_chunk == 150 and config.spec().endswith(":ctok=300:clen=150")
+    assert CompressionConfig.parse(config.spec()) == config
+    with pytest.raises(ValueError, match="token 'clen=1'"):
+        CompressionConfig.parse("turboquant-mse:k3:clen=1")
+    model, tokenizer = _model(rng), ByteTokenizer()
+    short = calibrate(model, tokenizer, "pydoc", 300, chunk=150)
+    whole = calibrate(model, tokenizer, "pydoc", 300, chunk=300)
+    assert short is calibrate(model, tokenizer, "pydoc", 300, chunk=150)
+    assert not torch.allclose(short.key_covariance[1], whole.key_covariance[1])
+    with pytest.raises(ValueError, match="chunk must be an int >= 2"):
+        calibrate(model, tokenizer, "pydoc", 300, chunk=1)

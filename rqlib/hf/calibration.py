@@ -1,9 +1,10 @@
 """Calibration on a corpus that is not the evaluation text: key means and outlier channels.
 
 The model runs (uncompressed) over ``n_tokens`` of the calibration corpus (``pydoc`` by
-default) in chunks of at most 1024 tokens; a plain ``DynamicCache`` collects every layer's keys
-and values after RoPE, exactly what the compressed cache will see, and the queries are recorded
-by :func:`rqlib.hf.capture.capture_attention` (stock sdpa attention). From them:
+default) in chunks of at most ``chunk`` tokens (1024 by default, spec token ``clen``), so the
+statistics see positions below ``chunk`` only; a plain ``DynamicCache`` collects every layer's
+keys and values after RoPE, exactly what the compressed cache will see, and the queries are
+recorded by :func:`rqlib.hf.capture.capture_attention` (stock sdpa attention). From them:
 
 - ``key_means[l]``: the mean key of each KV head, ``[KV, d]`` (used for centering);
 - ``key_energy[l]`` / ``value_energy[l]``: the mean square of each channel of each KV head,
@@ -59,11 +60,14 @@ def top_channels(energy: torch.Tensor, count: int) -> torch.Tensor:
     return torch.topk(energy, count, dim=-1).indices.sort(dim=-1).values
 
 
-def calibrate(model, tokenizer, corpus_name: str, n_tokens: int) -> Calibration:
-    """Run ``model`` on ``n_tokens`` of ``corpus_name`` and collect the statistics."""
+def calibrate(model, tokenizer, corpus_name: str, n_tokens: int, chunk: int = CHUNK) -> Calibration:
+    """Run ``model`` on ``n_tokens`` of ``corpus_name`` in chunks of ``chunk`` tokens and
+    collect the statistics."""
     from transformers import DynamicCache
 
-    key = (corpus_name, n_tokens, getattr(tokenizer, "name_or_path", id(tokenizer)))
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
+        raise ValueError(f"chunk must be an int >= 2 tokens, got {chunk!r}")
+    key = (corpus_name, n_tokens, chunk, getattr(tokenizer, "name_or_path", id(tokenizer)))
     memo = _MEMO.setdefault(model, {})
     if key in memo:
         return memo[key]
@@ -79,13 +83,13 @@ def calibrate(model, tokenizer, corpus_name: str, n_tokens: int) -> Calibration:
     count = 0
     device = next(model.parameters()).device
     with torch.no_grad(), capture_attention(model) as captured:
-        for start in range(0, len(ids), CHUNK):
-            chunk = ids[start : start + CHUNK]
-            if len(chunk) < 2:
+        for start in range(0, len(ids), chunk):
+            piece = ids[start : start + chunk]
+            if len(piece) < 2:
                 break
             cache = DynamicCache()
             captured.calls.clear()
-            model(chunk[None].to(device), cache=cache, use_cache=True)
+            model(piece[None].to(device), cache=cache, use_cache=True)
             for i, layer in enumerate(cache.layers):
                 k = layer.keys[0, :, 1:].double()  # [KV, S-1, d]
                 v = layer.values[0, :, 1:].double()
@@ -100,7 +104,7 @@ def calibrate(model, tokenizer, corpus_name: str, n_tokens: int) -> Calibration:
                     q.transpose(1, 2) @ q / (q.shape[1] // k.shape[1]),
                 )
                 sums[i] = tuple(map(torch.add, sums[i], moments)) if i in sums else moments
-            count += chunk.numel() - 1
+            count += piece.numel() - 1
     key_means, value_means, key_cov, value_cov, query_moment, value_energy = ([] for _ in range(6))
     for k_sum, v_sum, kk, vv, qq in (sums[i] for i in sorted(sums)):
         mu, nu = k_sum / count, v_sum / count

@@ -353,6 +353,7 @@ def compress(
             calibration_tokenizer(model, tokenizer),
             config.calibration_corpus,
             config.calibration_tokens,
+            config.calibration_chunk,
         )
     cache = build_cache(model, config, calibration)
     configs = _attention_configs(model)

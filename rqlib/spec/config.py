@@ -42,6 +42,9 @@ override it). TOKENs (``name=value`` or the short form):
                        each (sign-free e5m6) instead of 16
 ``seed=7``             seed of rotations and sketches
 ``calib=pydoc``        calibration corpus; ``ctok=2048`` its number of tokens
+``clen=4096``          calibration chunks of N tokens (default 1024): the positions the
+                       calibrated statistics see (a transform of keys after RoPE needs the
+                       positions it will code)
 ``alloc=3.5``          per-layer key and value bits chosen for this model so that the average
                        bits are at most 3.5, where its measured sensitivity says they matter
                        (:mod:`rqlib.study.allocation`; resolved against a model before use).
@@ -99,6 +102,7 @@ LIMITS = {
     "qjl_dim": 1 << 16,
     "seed": (1 << 32) - 1,  # rotations draw from seed * 1e6 + 10 * layer: must fit in 64 bits
     "calibration_tokens": 1 << 24,
+    "calibration_chunk": 1 << 20,
 }
 
 
@@ -171,6 +175,7 @@ class CompressionConfig:
     seed: int = 0
     calibration_corpus: str = "pydoc"
     calibration_tokens: int = 2048
+    calibration_chunk: int = 1024
     budget: float | None = None
     name: str | None = field(default=None, compare=False)
 
@@ -303,6 +308,12 @@ class CompressionConfig:
             raise ConfigFieldError(
                 "calibration_tokens",
                 f"calibration_tokens must be >= 16, got {self.calibration_tokens!r}",
+            )
+        _check_count("calibration_chunk", self.calibration_chunk)
+        if self.calibration_chunk < 2:
+            raise ConfigFieldError(
+                "calibration_chunk",
+                f"calibration_chunk must be >= 2 tokens, got {self.calibration_chunk!r}",
             )
         if self.budget is not None:
             self._check_budget()
@@ -604,6 +615,8 @@ class CompressionConfig:
             tokens.append(f"calib={self.calibration_corpus}")
         if self.calibration_tokens != default.calibration_tokens:
             tokens.append(f"ctok={self.calibration_tokens}")
+        if self.calibration_chunk != default.calibration_chunk:
+            tokens.append(f"clen={self.calibration_chunk}")
         if self.budget is not None:
             tokens.append(f"alloc={self.budget:g}")
         return ":".join(tokens)
@@ -654,6 +667,7 @@ _KEYED = {
     "seed": "seed",
     "calib": "calibration_corpus",
     "ctok": "calibration_tokens",
+    "clen": "calibration_chunk",
 }
 _INT_FIELDS = {
     "key_bits",
@@ -668,6 +682,7 @@ _INT_FIELDS = {
     "qjl_dim",
     "seed",
     "calibration_tokens",
+    "calibration_chunk",
 }
 
 #: The spec language, one entry per token the parser above knows: its name as parsed -> (the
@@ -726,6 +741,11 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
     "seed": ("seed=0", "the seed of the random rotations and sketches"),
     "calib": ("calib=pydoc", "the corpus calibrations are measured on"),
     "ctok": ("ctok=2048", "the number of calibration tokens"),
+    "clen": (
+        "clen=4096",
+        "calibration chunks of this many tokens (default 1024): the positions calibrated "
+        "statistics see",
+    ),
 }
 
 

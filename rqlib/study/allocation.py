@@ -573,7 +573,13 @@ def resolve_transforms(config, model, tokenizer):
     if not (missing_keys or missing_values):
         return config
     tokenizer = calibration_tokenizer(model, tokenizer)
-    calibration = calibrate(model, tokenizer, config.calibration_corpus, config.calibration_tokens)
+    calibration = calibrate(
+        model,
+        tokenizer,
+        config.calibration_corpus,
+        config.calibration_tokens,
+        config.calibration_chunk,
+    )
     for layer in layers:
         if config.transform_keys and layer not in keys:
             spectrum = fit_layer(calibration, layer, "keys").spectrum

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 
 from rqlib.book.figures import legend_below, subplots
 
-__all__ = ["curves_figure", "layers_figure", "spectrum_figure"]
+__all__ = ["curves_figure", "layers_figure", "position_figure", "spectrum_figure"]
 
 KINDS = ("keys", "values")
 
@@ -70,4 +70,21 @@ def layers_figure(per_layer: pd.DataFrame) -> Figure:
     ax.set_xlabel("layer whose keys go through the code")
     ax.set_ylabel("next-token KL (nats)")
     legend_below(fig, ax, ncol=len(codes))
+    return fig
+
+
+def position_figure(by_position: pd.DataFrame, calibrated_positions: int) -> Figure:
+    """The ratio of two codes' mean squared score errors by query position, one line a layer,
+    with the positions the calibration saw marked."""
+    fig, axes = subplots(1, width=8.5, height=3.4)
+    ax = axes[0]
+    layers = sorted(by_position.layer.unique())
+    for layer, color in zip(layers, sns.color_palette("viridis", n_colors=len(layers))):
+        rows = by_position[by_position.layer == layer].sort_values("position")
+        ax.semilogy(rows.position, rows.ratio, "o-", ms=3, color=color, label=f"layer {layer}")
+    ax.axhline(1.0, color="0.4", lw=0.8)
+    ax.axvspan(0, calibrated_positions, color="0.9", zorder=0, label="positions calibrated")
+    ax.set_xlabel("first position of the block of queries and keys")
+    ax.set_ylabel("score error, kxf / rotation")
+    legend_below(fig, ax, ncol=min(6, len(layers) + 1))
     return fig
