@@ -177,3 +177,25 @@ def test_the_allocation_figure_draws_every_preset_side_by_side(n_presets):
         (width,) = widths
         assert all(b - a >= width - 1e-9 for a, b in zip(lefts, lefts[1:]))  # no overlap
     plt.close(fig)
+
+
+def test_the_position_figure_draws_each_calibrations_median_off_the_legend(rng):
+    """Random ratios from rng; the median line of each calibration is checked against pandas'
+    median and the legend against the axes, both exact, so nothing fails by chance."""
+    from rqlib.book.figures.bound import position_figure
+
+    rows = [
+        {"layer": layer, "position": start, "calibration": label, "ratio": float(ratio)}
+        for label in ("kxf, chunks of 1024", "kxf, chunks of 4096")
+        for layer in range(5)
+        for start, ratio in zip((0, 1024, 2048), 0.1 + torch.rand(3, generator=rng))
+    ]
+    frame = pd.DataFrame(rows)
+    fig = position_figure(frame, 1024)
+    lines = [line for line in fig.axes[0].lines if line.get_label().startswith("kxf")]
+    assert [line.get_label() for line in lines] == list(frame.calibration.unique())
+    for line in lines:
+        median = frame[frame.calibration == line.get_label()].groupby("position").ratio.median()
+        assert np.allclose(line.get_ydata(), median.values)
+    assert not overlaps_an_axes(fig)
+    plt.close(fig)

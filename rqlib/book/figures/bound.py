@@ -74,17 +74,26 @@ def layers_figure(per_layer: pd.DataFrame) -> Figure:
 
 
 def position_figure(by_position: pd.DataFrame, calibrated_positions: int) -> Figure:
-    """The ratio of two codes' mean squared score errors by query position, one line a layer,
-    with the positions the calibration saw marked."""
+    """The ratio of a code's mean squared score error to today's code's by block of positions:
+    one line a calibration (the median over layers), one faint point a layer; the positions
+    of the default calibration chunks shaded."""
     fig, axes = subplots(1, width=8.5, height=3.4)
     ax = axes[0]
-    layers = sorted(by_position.layer.unique())
-    for layer, color in zip(layers, sns.color_palette("viridis", n_colors=len(layers))):
-        rows = by_position[by_position.layer == layer].sort_values("position")
-        ax.semilogy(rows.position, rows.ratio, "o-", ms=3, color=color, label=f"layer {layer}")
+    labels = list(dict.fromkeys(by_position.calibration))
+    for label, color in zip(labels, sns.color_palette(n_colors=len(labels))):
+        rows = by_position[by_position.calibration == label]
+        ax.semilogy(rows.position, rows.ratio, ".", ms=4, alpha=0.35, color=color)
+        median = rows.groupby("position").ratio.median()
+        ax.semilogy(median.index, median.values, "o-", ms=4, color=color, label=label)
     ax.axhline(1.0, color="0.4", lw=0.8)
-    ax.axvspan(0, calibrated_positions, color="0.9", zorder=0, label="positions calibrated")
+    ax.axvspan(
+        0,
+        calibrated_positions,
+        color="0.92",
+        zorder=0,
+        label=f"positions of a {calibrated_positions}-token chunk",
+    )
     ax.set_xlabel("first position of the block of queries and keys")
-    ax.set_ylabel("score error, kxf / rotation")
-    legend_below(fig, ax, ncol=min(6, len(layers) + 1))
+    ax.set_ylabel("score error / today's code's")
+    legend_below(fig, ax, ncol=len(labels) + 1)
     return fig
