@@ -86,18 +86,6 @@ def test_every_chapter_states_its_provenance_and_glues_numbered_figures(chapter)
     assert all(caption.strip() for _, _, caption in placed), f"{path.name}: a figure has no caption"
 
 
-def test_a_figure_shown_in_the_notebook_is_placed_once_in_the_book(chapter):
-    """``run.show`` displays a figure for a papermill output; its cell carries the tag that
-    removes it from the book, where the ``{glue:figure}`` directive places the figure once."""
-    from rqlib.book.chapter import SHOW_TAG
-
-    path, notebook = chapter
-    for index, cell in enumerate(notebook.cells):
-        if cell.cell_type == "code" and "run.show(" in cell.source:
-            tags = cell.metadata.get("tags", [])
-            assert SHOW_TAG in tags, f"{path.name} cell {index} shows a figure: tag it {SHOW_TAG}"
-
-
 def test_every_chapter_opens_with_its_cost_and_ends_with_exercises(chapter):
     path, notebook = chapter
     first = notebook.cells[0].source
