@@ -199,3 +199,39 @@ def test_the_position_figure_draws_each_calibrations_median_off_the_legend(rng):
         assert np.allclose(line.get_ydata(), median.values)
     assert not overlaps_an_axes(fig)
     plt.close(fig)
+
+
+def test_the_window_figure_fills_each_lines_least_kl_and_rings_the_presets_window(rng):
+    """Random KLs from rng (ties have probability zero); each line is checked against the
+    frame sorted by window, its filled point against the frame's least KL and its ring
+    against the preset's window, all exact, so nothing fails by chance."""
+    from rqlib.book.figures.bound import window_figure
+
+    windows = (16, 32, 64, 128)
+    frame = pd.DataFrame(
+        [
+            {"budget": budget, "context": context, "window": window, "kl": float(kl)}
+            for budget in (3.0, 2.0)
+            for context in (1024, 4096)
+            for window, kl in zip(windows, 0.01 + torch.rand(len(windows), generator=rng))
+        ]
+    ).sample(frac=1.0, random_state=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    fig = window_figure(frame, {3.0: 64, 2.0: 32})
+    lines = fig.axes[0].lines
+    labelled = [line for line in lines if not line.get_label().startswith("_")]
+    assert len(labelled) == 4
+    for line in labelled:
+        budget, context = float(line.get_label().split()[0]), int(line.get_label().split()[-1])
+        rows = frame[(frame.budget == budget) & (frame.context == context)].sort_values("window")
+        assert list(line.get_xdata()) == list(rows.window)
+        assert np.allclose(line.get_ydata(), rows.kl)
+        color = line.get_color()
+        marks = [m for m in lines if m not in labelled and m.get_color() == color]
+        filled = [m for m in marks if m.get_markersize() == 5]
+        ringed = [m for m in marks if m.get_markersize() == 12]
+        best = rows.loc[rows.kl.idxmin()]
+        preset = {3.0: 64, 2.0: 32}[budget]
+        assert any(np.allclose(m.get_xydata(), [[best.window, best.kl]]) for m in filled)
+        assert any(list(m.get_xdata()) == [preset] for m in ringed)
+    assert not overlaps_an_axes(fig)
+    plt.close(fig)

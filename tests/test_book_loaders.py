@@ -141,3 +141,67 @@ def test_storage_savings_are_the_bit_accounting_differences():
     assert savings["band_saving"] == pytest.approx(band)
     with pytest.raises(ValueError, match="nm="):
         perplexity.storage_savings("turboquant-mse:b3", config)
+
+
+WINDOW_FILES = (
+    "eval-window-smollm2-w1024.json",
+    "eval-window-smollm2-w4096.json",
+    "eval-window-smollm2-more-w1024.json",
+    "eval-window-smollm2-more-w4096.json",
+    "eval-window-gemma3-w1024.json",
+    "eval-window-smollm2-held-out-w1024.json",
+    "eval-window-smollm2-held-out-w4096.json",
+    "eval-window-smollm2-held-out-more-w1024.json",
+    "eval-window-smollm2-held-out-more-w4096.json",
+)
+
+
+@pytest.mark.parametrize("name", WINDOW_FILES)
+def test_every_recent_window_run_is_its_budgets_allocation(name):
+    """Chapter 6 reads these files; each run's per-layer bits must be what the allocation gives
+    at its budget and context (an exact comparison of specs), and the command must be one the
+    command line accepts and that writes this file."""
+    from rqlib.book.results import results_dir
+
+    path = results_dir() / name
+    frame = loaders.window_study(path)
+    assert len(frame) >= 1 and frame.budget.notna().all()
+    words = shlex.split(loaders.recorded_command(path))
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    COMMANDS[words[3]][0](parser)
+    assert str(parser.parse_args(words[4:]).json) == f"results/{name}"
+
+
+def test_a_run_whose_bits_were_chosen_otherwise_is_refused(tmp_path):
+    """One layer's key bits raised by one in one run of a committed file: no budget's allocation
+    gives those bits, so the loader must refuse the file, naming it."""
+    from rqlib.book.results import results_dir
+    from rqlib.spec.config import CompressionConfig
+
+    payload = json.loads((results_dir() / WINDOW_FILES[0]).read_text())
+    run = next(r for r in payload["results"] if r["config"] is not None)
+    config = CompressionConfig.parse(run["label"])
+    layer, bits = config.layer_key_bits[0]
+    changed = config.replace(layer_key_bits=((layer, bits + 1), *config.layer_key_bits[1:]))
+    run["label"] = changed.spec()
+    path = tmp_path / "changed.json"
+    path.write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match=f"{path}: the bits of .* are no allocation"):
+        loaders.window_study(path)
+
+
+@pytest.mark.parametrize(("window", "table"), [(16, 32), (32, 32), (48, 64), (128, 64), (256, 64)])
+def test_a_window_is_allocated_from_the_nearest_measured_window(window, table):
+    from rqlib.spec.config import CompressionConfig
+
+    config = CompressionConfig.parse(f"turboquant-mse:b3:sink1:win{window}:wb=8:ctr:nc:nm=6")
+    chosen = CompressionConfig.parse(loaders.window_table("smollm2-135m", config).base)
+    assert chosen.recent_window == table
+
+
+def test_a_format_without_a_table_is_named():
+    from rqlib.spec.config import CompressionConfig
+
+    config = CompressionConfig.parse("rotorquant-mse:b3:sink1:win32:ctr:nc")
+    with pytest.raises(FileNotFoundError, match="smollm2-135m and the format rotorquant-mse"):
+        loaders.window_table("smollm2-135m", config)

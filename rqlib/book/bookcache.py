@@ -37,7 +37,12 @@ __all__ = ["CHAPTER_INPUTS", "STAMP", "inputs_digest", "invalidate", "setup"]
 CHAPTER_INPUTS: dict[str, tuple[str, ...]] = {
     "04_perplexity": ("*.json", "headline/*.json", "04_perplexity/*.json"),
     "05_sweeps": ("04_perplexity/*.json", "04_perplexity/*.parquet", "cluster-sweep/*.txt"),
-    "06_bound": ("eval-trellis-*.json", "eval-transform-*.json", "headline/*.json"),
+    "06_bound": (
+        "eval-trellis-*.json",
+        "eval-transform-*.json",
+        "eval-window-*.json",
+        "headline/*.json",
+    ),
 }
 #: The file in the cache folder recording each chapter's input digest at the last build.
 STAMP = "rqlib-inputs.json"

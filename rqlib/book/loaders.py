@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from rqlib.book.results import metric_label, results_dir
-from rqlib.spec.presets import PEER_TARGETS, PRESETS, TARGETS
+from rqlib.spec.presets import PEER_TARGETS, PRESETS, TARGETS, budget_of
 
 __all__ = [
     "COMMITTED",
@@ -43,6 +43,8 @@ __all__ = [
     "sweep_command",
     "sweep_draws",
     "top_levers",
+    "window_study",
+    "window_table",
 ]
 
 #: How the results tables print each metric of a run, by metric (headers: ``metric_label``).
@@ -687,3 +689,100 @@ def headline_numbers(
     numbers["gemma_windows_min"] = int(gemma["windows"].min())
     numbers["gemma_windows_max"] = int(gemma["windows"].max())
     return numbers
+
+
+def window_table(model: str, config):
+    """The shipped sensitivity table (:mod:`rqlib.study.allocation`) measured with the recent
+    window nearest ``config``'s, on a log scale (ties: the shorter), among the tables of
+    packaged ``model`` whose format is ``config``'s apart from its window, sink and band
+    precision. A window with no table of its own is allocated from it, as an approximation:
+    the layers are ranked by their sensitivity next to a band of another length.
+    ``FileNotFoundError`` names the model and format when no table qualifies."""
+    import math
+
+    from rqlib.base.files import read_json
+    from rqlib.spec.config import CompressionConfig
+    from rqlib.study.allocation import SHIPPED, Sensitivity, _base_of
+
+    def shape(c):
+        return _base_of(c).replace(recent_window=0, n_sink=0, band_bits=None).spec()
+
+    tables = {}
+    for path in sorted(SHIPPED.glob("*.json")):
+        data = read_json(path)
+        base = CompressionConfig.parse(data["base"])
+        if data.get("model") == model and shape(base) == shape(config):
+            tables[base.recent_window] = path
+    if not tables:
+        raise FileNotFoundError(
+            f"no sensitivity table in {SHIPPED} is for {model} and the format {shape(config)}"
+        )
+    wanted = max(config.recent_window, 1)
+    nearest = min(tables, key=lambda w: (abs(math.log2(max(w, 1) / wanted)), w))
+    return Sensitivity.read(tables[nearest])
+
+
+def _allocated_spec(table, config, model_config, context: int) -> str | None:
+    """The spec of ``config``'s allocation from ``table`` at ``context``; ``None`` when its
+    budget is below every allocation."""
+    from rqlib.study.allocation import allocate
+
+    try:
+        return allocate(table, config, model_config, context).spec()
+    except ValueError:
+        return None
+
+
+def window_study(path: Path | str, budgets: tuple[float, ...] | None = None) -> pd.DataFrame:
+    """The runs of one recent-window file (``rqlib eval --json``; every method a resolved
+    config at the file's context) as rows: ``budget``, ``context``, ``window`` (its recent
+    window), ``band_bits``, ``sink``, ``norm_bits``, ``bits_mean``, ``delta_ppl_pct``, ``kl``,
+    ``top1``, ``offset``, ``model`` and ``method``.
+
+    A run's budget is the one of ``budgets`` (default: the presets' budgets) whose allocation
+    at the file's context, from :func:`window_table`, gives exactly its per-layer bits; a run
+    that matches none raises ``ValueError`` naming the file and the run, so a file whose bits
+    were chosen otherwise is refused rather than read."""
+    from transformers import AutoConfig
+
+    from rqlib.hf.models import converted_model_dir
+    from rqlib.spec.config import CompressionConfig
+
+    frame = load_headline(path)
+    model = str(frame.model.iloc[0])
+    model_config = AutoConfig.from_pretrained(converted_model_dir(model))
+    budgets = tuple(budget_of(name) for name in PRESETS) if budgets is None else budgets
+    rows = []
+    for run in frame[frame.kind == "rqlib"].itertuples():
+        config = CompressionConfig.parse(run.method)
+        storage = config.replace(key_bits=3, value_bits=3, layer_key_bits=(), layer_value_bits=())
+        table, context = window_table(model, config), int(run.context)
+        matched = [
+            budget
+            for budget in budgets
+            if _allocated_spec(table, storage.replace(budget=budget), model_config, context)
+            == config.spec()
+        ]
+        if not matched:
+            raise ValueError(
+                f"{path}: the bits of {run.method} are no allocation of the budgets {budgets} "
+                f"at context {run.context}"
+            )
+        rows.append(
+            {
+                "budget": matched[0],
+                "context": int(run.context),
+                "window": config.recent_window,
+                "band_bits": config.band_bits,
+                "sink": config.n_sink,
+                "norm_bits": None if config.norm_mantissa is None else config.norm_mantissa + 5,
+                "bits_mean": run.bits_mean,
+                "delta_ppl_pct": run.delta_ppl_pct,
+                "kl": run.kl,
+                "top1": run.top1,
+                "offset": int(run.offset),
+                "model": model,
+                "method": run.method,
+            }
+        )
+    return pd.DataFrame(rows)

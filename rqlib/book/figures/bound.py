@@ -9,7 +9,13 @@ from matplotlib.figure import Figure
 
 from rqlib.book.figures import legend_below, subplots
 
-__all__ = ["curves_figure", "layers_figure", "position_figure", "spectrum_figure"]
+__all__ = [
+    "curves_figure",
+    "layers_figure",
+    "position_figure",
+    "spectrum_figure",
+    "window_figure",
+]
 
 KINDS = ("keys", "values")
 
@@ -96,4 +102,45 @@ def position_figure(by_position: pd.DataFrame, calibrated_positions: int) -> Fig
     ax.set_xlabel("first position of the block of queries and keys")
     ax.set_ylabel("score error / today's code's")
     legend_below(fig, ax, ncol=len(labels) + 1)
+    return fig
+
+
+def window_figure(by_window: pd.DataFrame, preset_windows: dict[float, int]) -> Figure:
+    """The mean KL against the length of the recent window at equal stored bits: one line a
+    budget (colour) and context (line style), the least KL of each line filled in, and the
+    window each budget's preset keeps ringed (``preset_windows``: budget -> tokens).
+
+    ``by_window`` has the columns ``budget``, ``context``, ``window`` and ``kl``."""
+    fig, axes = subplots(1, width=7.5, height=3.6)
+    ax = axes[0]
+    budgets = sorted(by_window.budget.unique(), reverse=True)
+    contexts = sorted(by_window.context.unique())
+    colors = dict(zip(budgets, sns.color_palette(n_colors=len(budgets))))
+    styles = dict(zip(contexts, ("-", "--", ":", "-.")))
+    for context, budget in ((c, b) for c in contexts for b in budgets):  # a legend column a context
+        rows = by_window[(by_window.budget == budget) & (by_window.context == context)]
+        if rows.empty:
+            continue
+        rows = rows.sort_values("window")
+        color = colors[budget]
+        ax.loglog(
+            rows.window,
+            rows.kl,
+            styles[context],
+            marker="o",
+            mfc="white",
+            ms=5,
+            color=color,
+            label=f"{budget:g} bits, context {context}",
+        )
+        best = rows.loc[rows.kl.idxmin()]
+        ax.loglog(best.window, best.kl, "o", ms=5, color=color)
+        preset = rows[rows.window == preset_windows.get(budget)]
+        ax.loglog(preset.window, preset.kl, "o", ms=12, mfc="none", mew=1.2, color=color)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(by_window.window.unique()), map(str, sorted(by_window.window.unique())))
+    ax.minorticks_off()
+    ax.set_xlabel("recent window (tokens at 8 bits)")
+    ax.set_ylabel("mean KL to full precision")
+    legend_below(fig, ax, ncol=2)
     return fig
