@@ -13,9 +13,9 @@ from rqlib.book import loaders, perplexity
 from rqlib.cli import COMMANDS
 
 
-@pytest.mark.parametrize("name", list(loaders.COMMITTED))
-def test_each_committed_file_records_a_command_the_cli_accepts(name):
-    path = loaders.committed_file(name)
+def assert_command_writes(path, name):
+    """``path`` records a ``python -m rqlib`` command that the command line accepts and that
+    writes ``results/<name>``."""
     words = shlex.split(loaders.recorded_command(path))
     assert words[:3] == ["python", "-m", "rqlib"], words[:3]
     command, argv = words[3], words[4:]
@@ -23,6 +23,11 @@ def test_each_committed_file_records_a_command_the_cli_accepts(name):
     COMMANDS[command][0](parser)
     args = parser.parse_args(argv)
     assert str(args.json) == f"results/{name}", "the command writes another file than this one"
+
+
+@pytest.mark.parametrize("name", list(loaders.COMMITTED))
+def test_each_committed_file_records_a_command_the_cli_accepts(name):
+    assert_command_writes(loaders.committed_file(name), name)
 
 
 def test_a_missing_committed_file_says_how_to_restore_it(tmp_path):
@@ -166,10 +171,7 @@ def test_every_recent_window_run_is_its_budgets_allocation(name):
     path = results_dir() / name
     frame = loaders.window_study(path)
     assert len(frame) >= 1 and frame.budget.notna().all()
-    words = shlex.split(loaders.recorded_command(path))
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    COMMANDS[words[3]][0](parser)
-    assert str(parser.parse_args(words[4:]).json) == f"results/{name}"
+    assert_command_writes(path, name)
 
 
 def test_a_run_whose_bits_were_chosen_otherwise_is_refused(tmp_path):

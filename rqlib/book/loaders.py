@@ -8,7 +8,9 @@ Each loader reads one kind of file written by the study layer and returns a
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -691,6 +693,38 @@ def headline_numbers(
     return numbers
 
 
+def _window_free_format(config) -> str:
+    """The storage format a sensitivity table is for, without its window, sink and band
+    precision (:func:`rqlib.study.allocation._base_of`)."""
+    from rqlib.study.allocation import _base_of
+
+    return _base_of(config).replace(recent_window=0, n_sink=0, band_bits=None).spec()
+
+
+@functools.cache
+def _shipped_windows(model: str, form: str) -> dict[int, Path]:
+    """The shipped tables of packaged ``model`` in format ``form`` (as
+    :func:`_window_free_format` writes it), by recent window; each file read once."""
+    from rqlib.base.files import read_json
+    from rqlib.spec.config import CompressionConfig
+    from rqlib.study.allocation import SHIPPED
+
+    tables = {}
+    for path in sorted(SHIPPED.glob("*.json")):
+        data = read_json(path)
+        base = CompressionConfig.parse(data["base"])
+        if data.get("model") == model and _window_free_format(base) == form:
+            tables[base.recent_window] = path
+    return tables
+
+
+@functools.cache
+def _read_table(path: Path):
+    from rqlib.study.allocation import Sensitivity
+
+    return Sensitivity.read(path)
+
+
 def window_table(model: str, config):
     """The shipped sensitivity table (:mod:`rqlib.study.allocation`) measured with the recent
     window nearest ``config``'s, on a log scale (ties: the shorter), among the tables of
@@ -698,28 +732,17 @@ def window_table(model: str, config):
     precision. A window with no table of its own is allocated from it, as an approximation:
     the layers are ranked by their sensitivity next to a band of another length.
     ``FileNotFoundError`` names the model and format when no table qualifies."""
-    import math
+    from rqlib.study.allocation import SHIPPED
 
-    from rqlib.base.files import read_json
-    from rqlib.spec.config import CompressionConfig
-    from rqlib.study.allocation import SHIPPED, Sensitivity, _base_of
-
-    def shape(c):
-        return _base_of(c).replace(recent_window=0, n_sink=0, band_bits=None).spec()
-
-    tables = {}
-    for path in sorted(SHIPPED.glob("*.json")):
-        data = read_json(path)
-        base = CompressionConfig.parse(data["base"])
-        if data.get("model") == model and shape(base) == shape(config):
-            tables[base.recent_window] = path
+    form = _window_free_format(config)
+    tables = _shipped_windows(model, form)
     if not tables:
         raise FileNotFoundError(
-            f"no sensitivity table in {SHIPPED} is for {model} and the format {shape(config)}"
+            f"no sensitivity table in {SHIPPED} is for {model} and the format {form}"
         )
     wanted = max(config.recent_window, 1)
     nearest = min(tables, key=lambda w: (abs(math.log2(max(w, 1) / wanted)), w))
-    return Sensitivity.read(tables[nearest])
+    return _read_table(tables[nearest])
 
 
 def _allocated_spec(table, config, model_config, context: int) -> str | None:
