@@ -158,6 +158,10 @@ WINDOW_FILES = (
     "eval-window-smollm2-held-out-w4096.json",
     "eval-window-smollm2-held-out-more-w1024.json",
     "eval-window-smollm2-held-out-more-w4096.json",
+    "eval-window-gemma3-held-out-w1024.json",
+    "eval-trellis-window-smollm2-w1024.json",
+    "eval-trellis-window-smollm2-w4096.json",
+    "eval-trellis-window-gemma3-w1024.json",
 )
 
 
@@ -171,6 +175,8 @@ def test_every_recent_window_run_is_its_budgets_allocation(name):
     path = results_dir() / name
     frame = loaders.window_study(path)
     assert len(frame) >= 1 and frame.budget.notna().all()
+    # the trellis runs say so (tcq), the others hold the Lloyd-Max code
+    assert (frame.trellis.notna() == name.startswith("eval-trellis-")).all()
     assert_command_writes(path, name)
 
 

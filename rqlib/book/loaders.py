@@ -759,8 +759,9 @@ def _allocated_spec(table, config, model_config, context: int) -> str | None:
 def window_study(path: Path | str, budgets: tuple[float, ...] | None = None) -> pd.DataFrame:
     """The runs of one recent-window file (``rqlib eval --json``; every method a resolved
     config at the file's context) as rows: ``budget``, ``context``, ``window`` (its recent
-    window), ``band_bits``, ``sink``, ``norm_bits``, ``bits_mean``, ``delta_ppl_pct``, ``kl``,
-    ``top1``, ``offset``, ``model`` and ``method``.
+    window), ``band_bits``, ``sink``, ``norm_bits``, ``trellis`` (its ``tcq`` state bits, or
+    None), ``bits_mean``, ``delta_ppl_pct``, ``kl``, ``top1``, ``offset``, ``model`` and
+    ``method``.
 
     A run's budget is the one of ``budgets`` (default: the presets' budgets) whose allocation
     at the file's context, from :func:`window_table`, gives exactly its per-layer bits; a run
@@ -799,6 +800,7 @@ def window_study(path: Path | str, budgets: tuple[float, ...] | None = None) -> 
                 "band_bits": config.band_bits,
                 "sink": config.n_sink,
                 "norm_bits": None if config.norm_mantissa is None else config.norm_mantissa + 5,
+                "trellis": config.trellis_state_bits,
                 "bits_mean": run.bits_mean,
                 "delta_ppl_pct": run.delta_ppl_pct,
                 "kl": run.kl,
