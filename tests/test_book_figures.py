@@ -235,3 +235,63 @@ def test_the_window_figure_fills_each_lines_least_kl_and_rings_the_presets_windo
         assert any(list(m.get_xdata()) == [preset] for m in ringed)
     assert not overlaps_an_axes(fig)
     plt.close(fig)
+
+
+def test_the_levers_figure_puts_each_storage_of_each_case_where_its_numbers_say(rng):
+    """Random KL and ΔPPL from rng for five cases of four storages (one storage left out of
+    one case); each panel's marker of a storage must sit exactly at that row's numbers, a
+    storage without a row must have no marker, every marker must lie inside its panel, a goal
+    between a case's points must be drawn as lines at it with no note, and a goal far outside
+    must leave the limits alone and be named at the edge it lies beyond. The comparisons are
+    exact and a median of continuous draws lies between them, so nothing fails by chance."""
+    from rqlib.book.figures.bound import LEVER_MARKERS, levers_figure
+
+    cases = [("m1", "rq-3", 1024), ("m1", "rq-3", 4096), ("m1", "rq-2", 1024)]
+    cases += [("m1", "rq-2", 4096), ("m2", "rq-3", 1024)]
+    frame = pd.DataFrame(
+        [
+            {"model": m, "preset": p, "context": c, "storage": storage}
+            | {"kl": float(kl), "delta_ppl_pct": float(dppl)}
+            for m, p, c in cases
+            for storage, kl, dppl in zip(
+                LEVER_MARKERS,
+                0.01 + torch.rand(4, generator=rng),
+                40 * torch.rand(4, generator=rng),
+            )
+        ]
+    )
+    frame = frame.drop(index=frame[(frame.model == "m2") & (frame.storage == "both")].index)
+    by_case = frame.groupby(["model", "preset", "context"])
+    # each case's goals at its own median KL and ΔPPL: between its points, so inside its panel
+    inside = {
+        case: (float(by_case.delta_ppl_pct.median()[case]), float(by_case.kl.median()[case]))
+        for case in cases
+    }
+    goals = inside | {cases[-1]: (1e6, 1e6)}  # far outside: left out, not zoomed to
+    fig = levers_figure(frame, goals)
+    assert len(fig.axes) == len(cases)
+    for ax, case in zip(fig.axes, cases):
+        rows = frame[(frame.model == case[0]) & (frame.preset == case[1])]
+        rows = rows[rows.context == case[2]].set_index("storage")
+        marks = {line.get_label(): line for line in ax.lines if line.get_marker() != "None"}
+        assert set(marks) == set(rows.index)
+        (x_low, x_high), (y_low, y_high) = ax.get_xlim(), ax.get_ylim()
+        for storage, line in marks.items():
+            assert line.get_marker() == LEVER_MARKERS[storage]
+            assert list(line.get_xydata()[0]) == [rows.kl[storage], rows.delta_ppl_pct[storage]]
+            # inside the panel, not off its edge
+            assert (
+                x_low < rows.kl[storage] < x_high and y_low < rows.delta_ppl_pct[storage] < y_high
+            )
+        assert x_high < 1e6 and y_high < 1e6  # the far goal did not stretch the panel
+        lines = [line for line in ax.lines if line.get_marker() == "None"]
+        texts = [text.get_text() for text in ax.texts]
+        if case == cases[-1]:  # above and to the right of every point
+            assert texts == ["KL goal 1e+06 →", "ΔPPL goal 1e+06 % ↑"]
+        else:
+            assert texts == []
+            max_dppl, max_kl = goals[case]
+            assert any(list(line.get_ydata()) == [max_dppl, max_dppl] for line in lines)
+            assert any(list(line.get_xdata()) == [max_kl, max_kl] for line in lines)
+    assert not overlaps_an_axes(fig)
+    plt.close(fig)

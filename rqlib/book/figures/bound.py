@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -12,6 +13,7 @@ from rqlib.book.figures import legend_below, subplots
 __all__ = [
     "curves_figure",
     "layers_figure",
+    "levers_figure",
     "position_figure",
     "spectrum_figure",
     "window_figure",
@@ -144,3 +146,69 @@ def window_figure(by_window: pd.DataFrame, preset_windows: dict[float, int]) -> 
     ax.set_ylabel("mean KL to full precision")
     legend_below(fig, ax, ncol=2)
     return fig
+
+
+#: The marker of each storage in :func:`levers_figure`, in the order of its legend.
+LEVER_MARKERS = {"preset": "o", "chosen band": "s", "trellis": "^", "both": "*"}
+
+
+def levers_figure(levers: pd.DataFrame, goals: dict[tuple, tuple[float, float]]) -> Figure:
+    """One panel a case (``model``, ``preset``, ``context``): the ΔPPL against the KL of each
+    storage of the case (one marker a storage, :data:`LEVER_MARKERS`), and the case's goals as
+    dashed lines (``goals``: case -> (most ΔPPL %, most KL)), so that a point below and left of
+    both lines meets both. The panel's limits follow the points; a goal outside them is named,
+    with an arrow, at the edge it lies beyond.
+
+    ``levers`` has the columns ``model``, ``preset``, ``context``, ``storage``, ``kl`` and
+    ``delta_ppl_pct``."""
+    cases = list(dict.fromkeys(zip(levers.model, levers.preset, levers.context)))
+    columns = min(3, len(cases))
+    rows_of_panels = -(-len(cases) // columns)
+    fig, axes = plt.subplots(
+        rows_of_panels, columns, figsize=(2.7 * columns, 2.5 * rows_of_panels), squeeze=False
+    )
+    panels = list(axes.flat)
+    colors = dict(zip(LEVER_MARKERS, sns.color_palette(n_colors=len(LEVER_MARKERS))))
+    for ax, case in zip(panels, cases):
+        model, preset, context = case
+        rows = levers[(levers.model == model) & (levers.preset == preset)]
+        rows = rows[rows.context == context].set_index("storage")
+        for storage, marker in LEVER_MARKERS.items():
+            if storage in rows.index:
+                row = rows.loc[storage]
+                ax.plot(
+                    row.kl, row.delta_ppl_pct, marker, ms=8, color=colors[storage], label=storage
+                )
+        ax.margins(0.25)
+        ax.set_xlim(ax.get_xlim())  # fixed to the points: a goal outside them is left out
+        ax.set_ylim(ax.get_ylim())
+        max_dppl, max_kl = goals[case]
+        ax.axhline(max_dppl, ls="--", lw=0.9, color="0.4")
+        ax.axvline(max_kl, ls="--", lw=0.9, color="0.4")
+        _point_to_goal(ax, max_kl, ax.get_xlim(), f"KL goal {max_kl:.3g}", ("←", "→"), "x")
+        _point_to_goal(ax, max_dppl, ax.get_ylim(), f"ΔPPL goal {max_dppl:g} %", ("↓", "↑"), "y")
+        ax.set_title(f"{model}, {preset}, {context} tokens", fontsize=9)
+        ax.set_xlabel("KL", fontsize=8)
+        ax.set_ylabel("ΔPPL %", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in panels[len(cases) :]:
+        fig.delaxes(ax)
+    legend_below(fig, panels[0], ncol=len(LEVER_MARKERS))
+    return fig
+
+
+def _point_to_goal(ax, goal: float, limits, label: str, arrows: tuple[str, str], axis: str):
+    """Name a goal that falls outside the panel at the edge it lies beyond, with an arrow
+    pointing to it (``arrows``: towards low, towards high); nothing when it is inside."""
+    low, high = limits
+    if low <= goal <= high:
+        return
+    beyond = int(goal > high)
+    at = (0.02, 0.98)[beyond]
+    text = f"{label} {arrows[1]}" if beyond else f"{arrows[0]} {label}"
+    if axis == "x":
+        options = {"ha": ("left", "right")[beyond], "va": "center"}
+        ax.text(at, 0.5, text, transform=ax.transAxes, fontsize=7, color="0.3", **options)
+    else:
+        options = {"ha": "center", "va": ("bottom", "top")[beyond]}
+        ax.text(0.5, at, text, transform=ax.transAxes, fontsize=7, color="0.3", **options)
