@@ -26,6 +26,17 @@ def test_config_is_strict_cached_and_offline():
     assert not launch.get("thebe")
 
 
+def test_glued_commands_keep_their_double_dashes():
+    """The book's smartquotes setting, applied by docutils' own transform, must leave a
+    command's ``--flags`` as typed (the default setting turns ``--`` into an en dash)."""
+    from docutils.utils.smartquotes import smartyPants
+
+    action = load("_config.yml")["sphinx"]["config"]["smartquotes_action"]
+    command = "python -m rqlib eval --model smollm2-135m --json out.json"
+    assert smartyPants(command, attr=action) == command
+    assert smartyPants(command, attr="qDe") != command  # the check can fail
+
+
 def toc_files(entries):
     for entry in entries:
         if "file" in entry:
