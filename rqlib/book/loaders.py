@@ -31,6 +31,7 @@ __all__ = [
     "headline_styled",
     "headline_table",
     "headline_targets",
+    "preset_targets",
     "mode_agreement",
     "keys_only_pivot",
     "preset_table",
@@ -563,6 +564,24 @@ def mode_agreement(first: pd.DataFrame) -> pd.DataFrame:
 HEADLINE_MIN_WINDOWS = {1024: 8, 4096: 2}
 
 
+def preset_targets(preset: str, ours, peer) -> list[dict]:
+    """The held-out targets of ``preset`` for one run ``ours`` (``delta_ppl_pct``, ``kl``,
+    ``bits_mean``) next to its peer's run ``peer`` (the :data:`PEER_TARGETS` peer; ``None``
+    when it was not run, which meets nothing): ``target`` (what is asked), ``measured`` and
+    ``bound``, met when ``measured <= bound``. The preset's own bounds (:data:`TARGETS`), then
+    fewer bits than the peer and a KL at most a share of the peer's."""
+    target, versus = TARGETS[preset], PEER_TARGETS[preset]
+    rows = [("ΔPPL %", ours["delta_ppl_pct"], target.max_delta_ppl_pct)]
+    if target.max_kl is not None:
+        rows.append(("KL", ours["kl"], target.max_kl))
+    if peer is None:
+        rows.append((f"KL / KL of {versus.peer}", float("nan"), versus.max_kl_ratio))
+    else:
+        rows.append((f"bits vs {versus.peer}", ours["bits_mean"], peer["bits_mean"]))
+        rows.append((f"KL / KL of {versus.peer}", ours["kl"] / peer["kl"], versus.max_kl_ratio))
+    return [{"target": t, "measured": m, "bound": b} for t, m, b in rows]
+
+
 def headline_targets(tables: dict[int, pd.DataFrame]) -> pd.DataFrame:
     """Every held-out target of every preset at every window length (``tables``: window ->
     :func:`headline_table` of SmolLM2): ``preset``, ``window``, ``target`` (what is asked),
@@ -575,32 +594,13 @@ def headline_targets(tables: dict[int, pd.DataFrame]) -> pd.DataFrame:
         by_method = table.set_index("method")
         enough = int(table["windows"].min()) >= HEADLINE_MIN_WINDOWS.get(window, 1)
 
-        def add(preset, target, measured, bound, window=window, enough=enough):
-            met = enough and measured <= bound
-            rows.append(
-                {
-                    "preset": preset,
-                    "window": window,
-                    "target": target,
-                    "measured": measured,
-                    "bound": bound,
-                    "met": met,
-                }
-            )
-
-        for preset, target in TARGETS.items():
+        for preset in TARGETS:
             ours = by_method.loc[f"preset:{preset}"]
-            add(preset, "ΔPPL %", ours["delta_ppl_pct"], target.max_delta_ppl_pct)
-            if target.max_kl is not None:
-                add(preset, "KL", ours["kl"], target.max_kl)
-            versus = PEER_TARGETS[preset]
-            if versus.peer not in by_method.index:  # not run at this window: not met
-                add(preset, f"KL / KL of {versus.peer}", float("nan"), versus.max_kl_ratio)
-                continue
-            peer = by_method.loc[versus.peer]
-            add(preset, f"bits vs {versus.peer}", ours["bits_mean"], peer["bits_mean"])
-            ratio = ours["kl"] / peer["kl"]
-            add(preset, f"KL / KL of {versus.peer}", ratio, versus.max_kl_ratio)
+            peer = PEER_TARGETS[preset].peer
+            versus = by_method.loc[peer] if peer in by_method.index else None
+            for row in preset_targets(preset, ours, versus):
+                met = enough and row["measured"] <= row["bound"]
+                rows.append({"preset": preset, "window": window, **row, "met": met})
     return pd.DataFrame(rows)
 
 
