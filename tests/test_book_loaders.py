@@ -213,3 +213,31 @@ def test_a_format_without_a_table_is_named():
     config = CompressionConfig.parse("rotorquant-mse:b3:sink1:win32:ctr:nc")
     with pytest.raises(FileNotFoundError, match="smollm2-135m and the format rotorquant-mse"):
         loaders.window_table("smollm2-135m", config)
+
+
+BAND_ONCE_FILES = (
+    "eval-band-once-smollm2-w1024.json",
+    "eval-band-once-smollm2-w4096.json",
+    "eval-band-once-gemma3-w1024.json",
+)
+
+
+@pytest.mark.parametrize("name", BAND_ONCE_FILES)
+def test_each_band_once_run_is_its_preset_with_or_without_once(name):
+    """Chapter 6 reads these files as each preset with its band stored twice and once: every
+    run must be a preset (so that the eval allocated it at its budget and context), its recorded
+    config must store the band as its label says, and the command must write this file."""
+    from rqlib.book.results import results_dir
+    from rqlib.spec.config import CompressionConfig
+
+    path = results_dir() / name
+    payload = json.loads(path.read_text())
+    runs = [r for r in payload["results"] if r["config"] is not None]
+    assert {r["label"] for r in runs} == {
+        f"preset:{p}{once}" for p in ("rq-3", "rq-2") for once in ("", ":once")
+    }
+    for run in runs:
+        config = CompressionConfig.from_dict(run["config"])
+        assert config.band_once == run["label"].endswith(":once")
+        assert config.budget is None and config.layer_key_bits  # resolved: per-layer bits
+    assert_command_writes(path, name)

@@ -74,6 +74,7 @@ class Case:
     softcap: float | None = None
     padding: bool = True
     dense: bool = False
+    once: bool = False  # the band stored once: the main streams lag W tokens behind
     steps: tuple = ((0, 19), (19, 20), (20, 21), (21, 25))
 
 
@@ -150,6 +151,33 @@ CASES = [
         steps=((0, 30), (30, 31), (31, 32), (32, 36), (36, 37)),
     ),
     Case("dense mask", band="exact", n_sink=1, window=4, dense=True),
+    Case(
+        "presets' format, band stored once, a prompt shorter than the band",
+        band=8,
+        n_sink=1,
+        window=6,
+        mean=True,
+        once=True,
+        steps=((0, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 19), (19, 20), (20, 25)),
+    ),
+    Case(
+        "exact values, keys with their exact band stored once",
+        values=None,
+        band="exact",
+        n_sink=2,
+        window=4,
+        once=True,
+        steps=((0, 9), (9, 10), (10, 11), (11, 19), (19, 20)),
+    ),
+    Case(
+        "a band stored once, longer than a key tile, in a sliding window",
+        band=8,
+        n_sink=1,
+        window=20,
+        sliding=26,
+        once=True,
+        steps=((0, 30), (30, 31), (31, 32), (32, 36), (36, 37)),
+    ),
 ]
 #: keys over many tiles and several splits, in a sliding window whose first key is on no
 #: tile's boundary
@@ -197,7 +225,14 @@ def build_layer(case: Case, rng) -> CompressedLayer:
         )
     window = case.window if case.band is not None else 0
     return CompressedLayer(
-        0, key_codec, value_codec, case.n_sink, window, bands, sliding_window=case.sliding
+        0,
+        key_codec,
+        value_codec,
+        case.n_sink,
+        window,
+        bands,
+        sliding_window=case.sliding,
+        band_once=case.once,
     )
 
 
@@ -324,7 +359,7 @@ def test_triton_attention_matches_the_torch_implementation(case, rng, recorded):
         from rqlib.hf.cache import SHORT_QUERY
 
         assert ring.capacity <= 2 * round_capacity(case.sliding - 1 + SHORT_QUERY - 1)
-        assert layer.stored_tokens()["keys"] == case.sliding
+        assert layer.stored_tokens()["keys"] == case.sliding - case.once * case.window
 
 
 def test_a_state_the_kernel_cannot_serve_is_refused(rng):

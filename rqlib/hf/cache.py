@@ -9,6 +9,10 @@ in buffers written in place (:class:`rqlib.kernels.store.VectorRing`):
 - exact copies of the first ``n_sink`` tokens' keys and values (values only when compressed);
 - the recent band, a window of the last tokens: a query at position ``i`` reads keys
   ``i-W+1..i`` from it. The band is exact, or, with band codecs (``wb=B``), B-bit codes.
+  With ``band_once`` (spec token ``once``) a token gets its main codes only when it leaves the
+  band, coded from the band's copy of it: the main streams lag ``W`` tokens behind, no query
+  reads a main code inside its band, and the ``W`` newest tokens are stored once. Prefill and
+  decode store the same codes, since both code a token from the band's copy.
 
 Layers listed in ``exact_layers`` store plain keys and values. A sliding-window layer (Gemma 3)
 keeps only the tokens its window can still see: older ones are evicted, not only masked.
@@ -46,7 +50,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rqlib import kernels
-from rqlib.hf.codec import VectorCodec
+from rqlib.hf.codec import CompressedParts, VectorCodec
 from rqlib.kernels.state import AttentionState, CausalMask, DenseMask, Part, Stream
 from rqlib.kernels.store import VectorRing
 
@@ -76,10 +80,13 @@ class CompressedLayer(CacheLayerMixin):
         recent_window: int = 0,
         band_codecs: tuple[VectorCodec | None, VectorCodec | None] = (None, None),
         sliding_window: int | None = None,
+        band_once: bool = False,
     ) -> None:
         super().__init__()
         if band_codecs[0] is not None and not recent_window:
             raise ValueError("band codecs need a recent band (recent_window > 0)")
+        if band_once and not recent_window:
+            raise ValueError("band_once needs a recent band (recent_window > 0)")
         if key_codec is None and value_codec is not None:
             raise ValueError("an exact layer (no key codec) keeps its values exact too")
         if sliding_window is not None and sliding_window < 1:
@@ -89,6 +96,7 @@ class CompressedLayer(CacheLayerMixin):
         self.value_codec = value_codec
         self.n_sink = n_sink if key_codec is not None else 0
         self.recent_window = recent_window if key_codec is not None else 0
+        self.band_once = band_once and key_codec is not None
         self.key_band_codec, self.value_band_codec = band_codecs
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
@@ -170,9 +178,16 @@ class CompressedLayer(CacheLayerMixin):
 
     def _window(self, name: str) -> int | None:
         """Tokens before a chunk that stream ``name`` must keep (``None``: all of them)."""
-        if name.startswith("band"):
-            return self.recent_window - 1
+        if name.startswith("band"):  # with band_once, also the token the chunk codes first
+            return self.recent_window - (not self.band_once)
         return None if self.sliding_window is None else self.sliding_window - 1
+
+    def _lag(self, name: str) -> int:
+        """How many tokens stream ``name`` lags behind the chunk: ``W`` for a main stream whose
+        tokens are coded when they leave the band (``band_once``), else 0."""
+        if self.band_once and f"band_{name}" in self.streams:
+            return self.recent_window
+        return 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append a chunk of new tokens; return it unchanged (attention reads this layer)."""
@@ -195,9 +210,9 @@ class CompressedLayer(CacheLayerMixin):
         try:
             self._store(start, end, key_states, value_states)
         except BaseException:
-            for stream in self.streams.values():
+            for name, stream in self.streams.items():
                 for ring in stream.rings:
-                    ring.truncate(min(ring.end, start))
+                    ring.truncate(min(ring.end, max(0, start - self._lag(name))))
             raise
         self.length = end
         self._last = (start, new)
@@ -219,11 +234,22 @@ class CompressedLayer(CacheLayerMixin):
                 )
 
     def _store(self, start: int, end: int, key_states, value_states) -> None:
-        """Encode the chunk and write every stream at positions ``start .. end - 1``."""
+        """Encode the chunk and write every stream: positions ``start .. end - 1``, or for a
+        lagging main stream (:meth:`_lag`) the tokens that leave the band with this chunk."""
         backend = self._backend()
-        encoded, norms = {}, []
-        for name in self.streams:
-            states = key_states if "keys" in name else value_states
+        encoded, norms, spans = {}, [], {}
+        names = sorted(self.streams, key=self._lag)  # the bands before the streams that read them
+        for name in names:
+            lag = self._lag(name)
+            lo, hi = max(0, start - lag), max(0, end - lag)
+            spans[name] = (lo, hi)
+            if lag and hi == lo:
+                continue  # no token leaves the band with this chunk
+            if lag:
+                band = "band_" + name
+                states = self._band_copy(band, encoded[band], lo, hi, start)
+            else:
+                states = key_states if "keys" in name else value_states
             codec = self._codec(name)
             if codec is None:
                 encoded[name] = (states,)
@@ -234,17 +260,40 @@ class CompressedLayer(CacheLayerMixin):
                 norms.extend(part.norms for part in parts)
         self._check_finite(norms)
         for name, stream in self.streams.items():
+            lo, hi = spans[name]
             window = self._window(name)
-            keep_from = 0 if window is None else start - window
+            keep_from = 0 if window is None else min(lo, start - window)
             slack = 0 if window is None else SHORT_QUERY - 1
-            for ring, data in zip(stream.rings, encoded[name]):
+            for index, ring in enumerate(stream.rings):
+                # sized for the chunk's end even when the stream lags: the kernel reads a
+                # layer's main keys and values at the same slots, so their rings keep one
+                # capacity (and a stream no token has reached yet has its buffers)
                 ring.ensure(keep_from, end, slack)
-                ring.write(start, data)
+                if hi > lo:
+                    ring.write(lo, encoded[name][index])
         if start < self.n_sink:
             take = min(self.n_sink, end) - start
             self.sink_keys[:, :, start : start + take] = key_states[:, :, :take]
             if self.sink_values is not None:
                 self.sink_values[:, :, start : start + take] = value_states[:, :, :take]
+
+    def _band_copy(self, band: str, chunk: tuple, lo: int, hi: int, start: int) -> torch.Tensor:
+        """The band's copy ``[B, KV, hi - lo, d]`` of positions ``lo .. hi - 1``: those before
+        ``start`` read from band stream ``band``, the others from ``chunk``, its encoding of the
+        new tokens (codes are decoded; an exact band is its own copy)."""
+        codec = self._codec(band)
+        pieces = []
+        if lo < start:
+            stored = tuple(ring.read(lo, min(start, hi)) for ring in self.streams[band].rings)
+            pieces.append(stored[0] if codec is None else codec.decode(CompressedParts(stored)))
+        if hi > start:
+            if codec is None:
+                pieces.append(chunk[0][:, :, : hi - start])
+            else:
+                new = CompressedParts(chunk).map(lambda t: t[:, :, : hi - start])
+                pieces.append(codec.decode(new))
+        dtype = pieces[0].dtype if codec is None else torch.float32
+        return torch.cat([p.to(dtype) for p in pieces], dim=2) if len(pieces) > 1 else pieces[0]
 
     def _codec(self, name: str) -> VectorCodec | None:
         return {
@@ -294,9 +343,9 @@ class CompressedLayer(CacheLayerMixin):
         if self._last is None:
             raise RuntimeError(f"layer {self.layer_idx}: there is no update to roll back")
         start, _ = self._last
-        for stream in self.streams.values():
+        for name, stream in self.streams.items():
             for ring in stream.rings:
-                ring.truncate(start)
+                ring.truncate(min(ring.end, max(0, start - self._lag(name))))
         self.length = start
         self._last = None
         self._chunk_keys = None
@@ -350,9 +399,9 @@ class CompressedLayer(CacheLayerMixin):
             if name.startswith("band"):
                 counts[name] = min(n, self.recent_window)
             elif self.sliding_window is not None:
-                counts[name] = min(n, self.sliding_window)
+                counts[name] = max(0, min(n, self.sliding_window) - self._lag(name))
             else:
-                counts[name] = n
+                counts[name] = max(0, n - self._lag(name))
         counts["sink"] = min(n, self.n_sink)
         return counts
 
@@ -486,6 +535,12 @@ class CompressedLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: expected a boolean mask [B, 1, {new}, {kv_length}] or a "
                 f"CausalMask, got {getattr(mask, 'shape', type(mask).__name__)}; is the rqlib mask "
                 "function registered?"
+            )
+        if self.band_once:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the recent band stored once (spec token once) needs a "
+                "causal mask, and this forward passes an explicit one (an extra mask function or "
+                "packed sequences), under which a query may read a token that has no main codes yet"
             )
         return DenseMask(mask, kv_offset)
 

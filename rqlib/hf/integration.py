@@ -225,6 +225,7 @@ def _layer(
         config.recent_window,
         (key_band, value_band),
         sliding_window=sliding_window,
+        band_once=config.band_once,
     )
 
 

@@ -103,8 +103,22 @@ def _query_side(stream: Stream, rows: torch.Tensor) -> _Queries:
 
 
 # ---- one block of keys -----------------------------------------------------------------------
+def _written(stream: Stream, k0: int, k1: int) -> int:
+    """The end of the positions of ``k0 .. k1 - 1`` that ``stream`` holds: ``k1``, except for a
+    main stream that lags behind the band (``band_once``), whose newest tokens are in the band
+    only. The columns after it read as zeros, as the kernel's zero-filled slots do; no pair
+    reads them, since they are every later query's band."""
+    return max(k0, min(k1, stream.rings[0].end))
+
+
 def _scores(stream: Stream, queries: _Queries, rows: torch.Tensor, k0: int, k1: int):
     """Scores ``[B, KV, R, k1 - k0]`` of the rows against stored positions ``k0 .. k1 - 1``."""
+    stop = _written(stream, k0, k1)
+    if stop < k1:
+        scores = rows.new_zeros((*rows.shape[:3], k1 - k0))
+        if stop > k0:
+            scores[..., : stop - k0] = _scores(stream, queries, rows, k0, stop)
+        return scores
     dtype = rows.dtype
     if stream.is_exact:
         return rows @ _as(stream.exact.read(k0, k1), rows).transpose(-1, -2)
@@ -140,6 +154,10 @@ class _Values:
     def add(self, weights: torch.Tensor, k0: int, k1: int) -> None:
         dtype = weights.dtype
         stream = self.stream
+        stop = _written(stream, k0, k1)  # the weights of the later columns are zero
+        if stop == k0:
+            return
+        weights, k1 = weights[..., : stop - k0], stop
         if stream.is_exact:
             terms = [weights @ _as(stream.exact.read(k0, k1), weights)]
         else:

@@ -18,6 +18,9 @@ override it). TOKENs (``name=value`` or the short form):
 ``win32``              a band of the W most recent tokens kept exact, relative to each query
 ``wb=8``               the recent band stored at 8 bits (MSE codes of the values' family,
                        norms as ``nm`` says) instead of exact 16-bit copies
+``once``               the recent band stored once: a token gets its main codes when it leaves
+                       the band, coded from what the band stores, so that the W newest tokens
+                       are stored in the band only (needs ``winN``; a causal mask)
 ``exact=0,-1``         layers kept exact (negative counts from the end); ``exact=none``
 ``ctr``                per-layer, per-KV-head key centering with a mean calibrated on pydoc
 ``kxf`` / ``vxf``      keys / values through a calibrated transform per layer and KV head (the
@@ -167,6 +170,7 @@ class CompressionConfig:
     n_sink: int = 0
     recent_window: int = 0
     band_bits: int | None = None
+    band_once: bool = False
     exact_layers: tuple[int, ...] = ()
     key_outliers: int = 0
     value_outliers: int = 0
@@ -243,6 +247,10 @@ class CompressionConfig:
                 raise ConfigFieldError(
                     "band_bits", "band_bits (wb=) sets the precision of the recent band: add winN"
                 )
+        if self.band_once and not self.recent_window:
+            raise ConfigFieldError(
+                "band_once", "band_once (once) stores the recent band once: add winN"
+            )
         _check_count("outlier_extra_bits", self.outlier_extra_bits)
         if not 1 <= self.outlier_extra_bits < MAX_BITS:
             raise ConfigFieldError(
@@ -574,6 +582,8 @@ class CompressionConfig:
             tokens.append(f"win{self.recent_window}")
         if self.band_bits is not None:
             tokens.append(f"wb={self.band_bits}")
+        if self.band_once:
+            tokens.append("once")
         if self.exact_layers:
             tokens.append("exact=" + ",".join(str(layer) for layer in self.exact_layers))
         if self.center_keys:
@@ -648,6 +658,7 @@ _FLAGS = {
     "tcq": ("trellis_state_bits", TRELLIS_STATE_BITS),
     "kxf": ("transform_keys", True),
     "vxf": ("transform_values", True),
+    "once": ("band_once", True),
 }
 _KEYED = {
     "k": "key_bits",
@@ -700,6 +711,11 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
     "sink": ("sink1", "the first N tokens kept exact (attention sinks)"),
     "win": ("win32", "the W most recent tokens of each query kept exact (the recent band)"),
     "wb": ("wb=8", "the recent band stored as 8-bit codes instead of exact copies"),
+    "once": (
+        "once",
+        "the recent band stored once: a token's main codes are written when it leaves the band, "
+        "from the band's copy (the W newest tokens cost the band's bits only)",
+    ),
     "ctr": ("ctr", "per-head key centering, its mean calibrated on pydoc (never the eval text)"),
     "kxf": (
         "kxf",

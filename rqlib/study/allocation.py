@@ -51,7 +51,7 @@ from rqlib.hf.integration import attention_modules, calibration_tokenizer, outpu
 from rqlib.hf.models import load_model
 from rqlib.hf.transform import fit_layer, group_widths
 from rqlib.hf.weights import signature_digest, signatures_match, weight_signature
-from rqlib.spec.bits import average_bits, codec_bits
+from rqlib.spec.bits import average_bits, codec_bits, coded_share
 from rqlib.spec.config import CompressionConfig, get_preset
 from rqlib.spec.geometry import model_geometry
 from rqlib.spec.presets import PRESETS
@@ -178,8 +178,8 @@ NEAR_EXACT_BAND_BITS = 8
 
 def _base_of(config: CompressionConfig) -> CompressionConfig:
     """What a sensitivity table is measured for (its identity): :func:`_uniform` of ``config``
-    with fp16 norms and an exact recent band. Two formats are left out on purpose, as too fine
-    to move a table:
+    with fp16 norms and an exact recent band, stored twice. Three formats are left out on
+    purpose, as too fine to move a table:
 
     - rounding the norms to ``nm`` >= 6 mantissa bits moves a vector by at most 2^-7 of its
       norm, far below the quantization error even at 5 bits (``tests/test_quantizers.py``
@@ -187,14 +187,17 @@ def _base_of(config: CompressionConfig) -> CompressionConfig:
     - a band of codes of at least :data:`NEAR_EXACT_BAND_BITS` bits (``wb=8``) reconstructs a
       vector to under 1 % of its norm, while a 6-bit band does not (``tests/test_allocation.py``
       checks both on fresh Gaussian vectors); re-measured items of a table move by far less
-      than the differences between bit widths that the allocation chooses from.
+      than the differences between bit widths that the allocation chooses from;
+    - the band stored once (``once``) changes what a band token costs, not what attention
+      reads: a token's main codes are coded from the band's copy of it, which is the token
+      itself for an exact band, and within the error above for ``wb=8``.
 
     The trellis code (``tcq``) is left out for another reason: the layers are ranked by their
     sensitivity under the Lloyd-Max code, whose table exists, instead of measuring a table with
     the much slower trellis encoder; the trellis then lowers the error at each chosen width
     (chapter 6 measures by how much), so the ranking is an approximation, stated as such.
     """
-    base = _uniform(config).replace(norm_mantissa=None, trellis_state_bits=None)
+    base = _uniform(config).replace(norm_mantissa=None, trellis_state_bits=None, band_once=False)
     if base.band_bits is not None and base.band_bits >= NEAR_EXACT_BAND_BITS:
         base = base.replace(band_bits=None)
     return base
@@ -314,10 +317,11 @@ def allocate(
         key_bits=min(c[2] for c in choices[0]), value_bits=min(c[2] for c in choices[1])
     )
     uniform_cost = sum(min(c[0] for c in options) for options in choices)
-    overhead = average_bits(uniform, model_config, context)["mean"] - uniform_cost / (
+    coded = coded_share(base, context)  # the share of tokens that pay for the codes
+    overhead = average_bits(uniform, model_config, context)["mean"] - coded * uniform_cost / (
         2 * n_layers * head_dim
     )
-    capacity = math.floor((config.budget - overhead) * 2 * n_layers * head_dim + 1e-6)
+    capacity = math.floor((config.budget - overhead) / coded * 2 * n_layers * head_dim + 1e-6)
     unit = reduce(math.gcd, [c[0] for options in choices for c in options])
     capacity //= unit
     if capacity < uniform_cost // unit:

@@ -66,16 +66,20 @@ def tiny_model(kind: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def preset_config(name: str, model) -> CompressionConfig:
-    """The preset resolved by its allocation against a synthetic sensitivity table
-    (KL = 4^-bits times a per-item weight), so that layers get different bits."""
-    n_layers = model.config.num_hidden_layers
+def synthetic_sensitivity(n_layers: int) -> Sensitivity:
+    """A sensitivity table with KL = 4^-bits times a per-item weight that grows with the layer
+    (keys weigh more), so that an allocation gives layers different bits."""
     kl = {}
     for layer in range(n_layers):
         for kind, bits_list in (("key", KEY_BITS), ("value", VALUE_BITS)):
             weight = 1.0 + layer + (kind == "key")
             for bits in bits_list:
                 kl[(kind, layer, bits)] = weight * 4.0**-bits
-    table = Sensitivity("synthetic", "none", n_layers, {}, 0, 0, kl)
+    return Sensitivity("synthetic", "none", n_layers, {}, 0, 0, kl)
+
+
+def preset_config(name: str, model) -> CompressionConfig:
+    """The preset resolved by its allocation against :func:`synthetic_sensitivity`."""
+    table = synthetic_sensitivity(model.config.num_hidden_layers)
     config = CompressionConfig.parse(f"preset:{name}").replace(calibration_tokens=512)
     return allocate(table, config, model.config).replace(name=f"preset:{name}")
