@@ -11,11 +11,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from rqlib.book import bookcache
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHAPTER = (
     "import json, os, pathlib\n"
@@ -108,4 +111,26 @@ def test_every_committed_file_is_an_input_of_chapter_4():
         for name in COMMITTED
         if not any(fnmatch(name, p) and name.count("/") == p.count("/") for p in patterns)
     ]
+    assert not missed, missed
+
+
+def test_every_results_glob_of_a_chapter_is_one_of_its_inputs():
+    """A chapter that globs results files its inputs miss (``eval-band-once-*`` once was) would
+    keep showing its previous numbers after such a file changes. Every ``glob("...")`` in a
+    chapter's code must fall under one of its input patterns (a pattern matches a glob when it
+    matches the glob's text as a name: ``eval-trellis-*.json`` covers ``eval-trellis-window-*``).
+    """
+    import re
+    from fnmatch import fnmatch
+
+    from rqlib.book.bookcache import CHAPTER_INPUTS
+
+    missed = []
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = nbformat.read(notebook, as_version=4).cells
+        code = "\n".join(c.source for c in cells if c.cell_type == "code")
+        for pattern in re.findall(r"\.glob\(\"([^\"]+)\"\)", code):
+            inputs = CHAPTER_INPUTS.get(notebook.stem, ())
+            if not any(fnmatch(pattern, p) for p in inputs):
+                missed.append(f"{notebook.name}: {pattern}")
     assert not missed, missed
