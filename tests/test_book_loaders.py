@@ -241,3 +241,26 @@ def test_each_band_once_run_is_its_preset_with_or_without_once(name):
         assert config.band_once == run["label"].endswith(":once")
         assert config.budget is None and config.layer_key_bits  # resolved: per-layer bits
     assert_command_writes(path, name)
+
+
+def parsed_command(path):
+    """The arguments of the ``python -m rqlib`` command that ``path`` records."""
+    words = shlex.split(loaders.recorded_command(path))
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    COMMANDS[words[3]][0](parser)
+    return vars(parser.parse_args(words[4:]))
+
+
+@pytest.mark.parametrize("name", BAND_ONCE_FILES[:2])
+def test_each_other_cpu_run_repeats_a_band_once_command(name):
+    """Chapter 6 reads ``eval-other-cpu-<name>`` as the rq-3 runs of ``name`` repeated on a
+    second CPU: its command must be that file's, with the rq-2 runs left out and its own file
+    written, so that what differs between the two files is the machine."""
+    from rqlib.book.results import results_dir
+
+    other = results_dir() / name.replace("eval-", "eval-other-cpu-", 1)
+    assert_command_writes(other, other.name)
+    first, second = parsed_command(results_dir() / name), parsed_command(other)
+    assert second.pop("method") == [m for m in first.pop("method") if "rq-2" not in m]
+    first.pop("json"), second.pop("json")
+    assert first == second
