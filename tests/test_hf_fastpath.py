@@ -8,6 +8,14 @@ Gemma 3 (sliding-window layers, which evict) and Qwen2 (GQA 7:1), with a left-pa
 two. The Triton kernels run in the interpreter (``cache.set_backend("triton")``: the attention
 kernel and the quantize kernel) and must give the same tokens as the torch path.
 
+Which presets. The prompt and the tokens generated fit in the recent band, so attention reads
+the sink and the band, and what a preset's bits change is the codes the quantize kernel writes
+for each stream (compared byte by byte below). The presets at the two ends of the bit range,
+:data:`ENDS`, write between them every bit width of keys and of values and every recent window
+that any preset writes on these models (checked by
+``test_the_end_presets_store_every_format_of_the_others``), so the presets in between run no
+code that the two ends do not; each end runs on every architecture.
+
 Codebooks. The attention kernel reads the codebook rounded to fp16 (rqlib.kernels.numerics),
 the torch path the float32 one; here both read the rounded one (every quantizer the presets
 build is replaced by ``numerics.kernel_quantizer`` of itself), so that they compute the same
@@ -31,7 +39,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import VOCAB, ByteTokenizer, preset_config, tiny_model
+from tiny_models import KINDS, VOCAB, ByteTokenizer, preset_config, tiny_model
 
 from rqlib.hf import compress
 from rqlib.kernels import launch, numerics
@@ -43,6 +51,11 @@ pytestmark = pytest.mark.interpreter
 
 LOGIT_TOL = 1e-4
 FLIPPED_CODE_TOL = 1e-2
+
+#: tokens generated after the prompt
+NEW_TOKENS = 4
+#: the presets at the two ends of the bit range (fewest and most bits)
+ENDS = ("rq-2", "rq-3.5")
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +111,7 @@ def _is_constexpr(kernel, name: str) -> bool:
 
 def run(model, config, ids, mask, backend: str):
     options = dict(
-        max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
         return_dict_in_generate=True, output_logits=True,
     )  # fmt: skip
     with torch.no_grad(), compress(model, config, tokenizer=ByteTokenizer()) as cache:
@@ -108,8 +121,27 @@ def run(model, config, ids, mask, backend: str):
     return out.sequences, torch.stack(out.logits, 1), codes
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen2"])
+def stored_formats(config) -> set[tuple[str, int]]:
+    """What the quantize kernel writes for a config: each stream's bit widths, and the recent
+    window."""
+    return (
+        {("keys", bits) for _, bits in config.layer_key_bits}
+        | {("values", bits) for _, bits in config.layer_value_bits}
+        | {("recent_window", config.recent_window)}
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_end_presets_store_every_format_of_the_others(kind):
+    model = tiny_model(kind, 0)
+    ends = set().union(*(stored_formats(preset_config(name, model)) for name in ENDS))
+    for name in sorted(PRESETS):
+        missing = stored_formats(preset_config(name, model)) - ends
+        assert not missing, f"{name} on {kind} stores {sorted(missing)}, which {ENDS} do not"
+
+
+@pytest.mark.parametrize("preset", ENDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
     model = tiny_model(kind, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
     config = preset_config(preset, model)
@@ -117,6 +149,7 @@ def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
     ids = torch.randint(1, VOCAB, (2, 7), generator=rng)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second row is left-padded by 3 tokens
+    assert ids.shape[1] + NEW_TOKENS <= config.recent_window  # what ENDS relies on
     tokens, logits, codes = run(model, config, ids, mask, "torch")
     specializations = Specializations(launch.attention_kernel)
     with pytest.MonkeyPatch.context() as patch:

@@ -1,5 +1,7 @@
 """The project's own wiring: one dependency list, and the install helper that reads it."""
 
+import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -30,6 +32,22 @@ def test_makefile_uses_the_same_extras_and_the_no_deps_group():
     makefile = (ROOT / "Makefile").read_text()
     assert "-e '.[book,test]'" in makefile
     assert "--no-deps $$($(BIN)/python -m rqlib.base.install no-deps)" in makefile
+
+
+def test_make_test_executes_every_chapter_once():
+    """``make test`` runs the chapters in two processes; between them every notebook in
+    notebooks/ is executed, and none twice (read from ``make -n``, which runs nothing)."""
+    dry_run = subprocess.run(
+        ["make", "-n", "-s", "test"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    executed = [
+        path
+        for line in dry_run.splitlines()
+        if "--nbmake" in line
+        for path in re.findall(r"[^\s;&]+\.ipynb", line)
+    ]
+    chapters = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert sorted(executed) == chapters
 
 
 def test_torch_is_pinned_exactly():
