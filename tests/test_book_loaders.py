@@ -264,3 +264,29 @@ def test_each_other_cpu_run_repeats_a_band_once_command(name):
     assert second.pop("method") == [m for m in first.pop("method") if "rq-2" not in m]
     first.pop("json"), second.pop("json")
     assert first == second
+
+
+TRELLIS_ONCE_FILES = ("eval-trellis-once-smollm2-w1024.json",)
+
+
+@pytest.mark.parametrize("name", TRELLIS_ONCE_FILES)
+def test_each_trellis_once_run_stores_what_its_label_says(name):
+    """Chapter 6 reads these files as rq-3 stored four ways: the preset, with its band stored
+    once, with the trellis, and with both. Every run must be the preset resolved at its budget
+    and context, its recorded config must store the band and the codes as its label says, and
+    the command must write this file."""
+    from rqlib.book.results import results_dir
+    from rqlib.spec.config import CompressionConfig
+
+    path = results_dir() / name
+    runs = [r for r in json.loads(path.read_text())["results"] if r["config"] is not None]
+    assert {r["label"] for r in runs} == {
+        f"preset:rq-3{tcq}{once}" for tcq in ("", ":tcq") for once in ("", ":once")
+    }
+    for run in runs:
+        tokens = run["label"].split(":")[2:]
+        config = CompressionConfig.from_dict(run["config"])
+        assert config.band_once == ("once" in tokens)
+        assert (config.trellis_state_bits is not None) == ("tcq" in tokens)
+        assert config.budget is None and config.layer_key_bits  # resolved: per-layer bits
+    assert_command_writes(path, name)
