@@ -50,6 +50,16 @@ def test_make_test_executes_every_chapter_once():
     assert sorted(executed) == chapters
 
 
+def test_make_test_runs_every_test_once():
+    """``make test`` runs the tests in two processes split by the ``interpreter`` marker: one
+    selects it and the other everything else, so between them every test runs once."""
+    dry_run = subprocess.run(
+        ["make", "-n", "-s", "test"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    selections = re.findall(r"pytest .*?-m (interpreter|\"not interpreter\") tests", dry_run)
+    assert sorted(selections) == ['"not interpreter"', "interpreter"]
+
+
 def test_torch_is_pinned_exactly():
     """An unpinned torch pulls a multi-GB CUDA build on these machines."""
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
