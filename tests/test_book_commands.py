@@ -11,6 +11,9 @@ is classified; a command no rule knows fails the test, so that a new command get
   and must exit 0;
 - sweeps run as printed plus ``--dry-run``, which checks every parameter against the chapter
   and lists the runs without executing them;
+- the CPU decode benchmark runs as printed plus :data:`DECODE_CPU_SMOKE`, a context and a
+  number of steps small enough for a test (its defaults time a minute of decoding; the
+  measuring code is tested in tests/test_kernels_bench.py);
 - expensive commands (a chapter run on a GPU box or at full size, the Makefile targets, pip)
   are checked statically: every file they name exists, and every ``-p`` parameter is one the
   chapter has (executing the chapters themselves is ``pytest --nbmake notebooks``' job).
@@ -30,6 +33,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("README.md", "book/intro.md")
+#: what the CPU decode benchmark is run with here, after the printed command's own arguments
+DECODE_CPU_SMOKE = "--context 32 --steps 2"
 
 
 def printed_commands(path: Path) -> list[str]:
@@ -74,6 +79,10 @@ def kind(command: str) -> str:
         return "sweep"
     if words[:5] == [words[0], "-m", "rqlib", "bench", "gpu"] and program.startswith("python"):
         return "static"  # needs CUDA; tests/test_gpu_bench.py runs its steps on the CPU
+    if words[:5] == [words[0], "-m", "rqlib", "bench", "decode-cpu"] and program.startswith(
+        "python"
+    ):
+        return "smoke"  # it times decoding on the CPU for a minute at its defaults
     if words[:4] == [words[0], "-m", "rqlib", "bench"] and program.startswith("python"):
         return "cheap"  # on a CPU it prints the byte model
     if words[:4] == [words[0], "-m", "rqlib", "render"] and program.startswith("python"):
@@ -119,6 +128,8 @@ def test_printed_command_works(source, command, tmp_path):
         return
     if what == "sweep":
         command += " --dry-run"
+    if what == "smoke":
+        command += f" {DECODE_CPU_SMOKE}"
     if "papermill" in words[0] and not words[1].startswith("--"):
         command = command.replace(words[2], str(tmp_path / "out.ipynb"))  # not over the repo
     done = run(command)
