@@ -251,7 +251,7 @@ def parsed_command(path):
     return vars(parser.parse_args(words[4:]))
 
 
-@pytest.mark.parametrize("name", BAND_ONCE_FILES[:2])
+@pytest.mark.parametrize("name", BAND_ONCE_FILES)
 def test_each_other_cpu_run_repeats_a_band_once_command(name):
     """Chapter 6 reads ``eval-other-cpu-<name>`` as the rq-3 runs of ``name`` repeated on a
     second CPU: its command must be that file's, with the rq-2 runs left out and its own file
@@ -266,7 +266,11 @@ def test_each_other_cpu_run_repeats_a_band_once_command(name):
     assert first == second
 
 
-TRELLIS_ONCE_FILES = ("eval-trellis-once-smollm2-w1024.json",)
+TRELLIS_ONCE_FILES = (
+    "eval-trellis-once-smollm2-w1024.json",
+    "eval-trellis-once-smollm2-w4096.json",
+    "eval-trellis-once-gemma3-w1024.json",
+)
 
 
 @pytest.mark.parametrize("name", TRELLIS_ONCE_FILES)
