@@ -30,9 +30,12 @@ def test_too_few_scored_tokens_are_refused_naming_the_minimum(rng):
 
 def test_zero_tokens_is_the_whole_corpus_from_the_offset(rng):
     ids = torch.randint(0, 1000, (300,), generator=rng)
-    offset = int(torch.randint(0, 300 - MIN_SCORED_TOKENS - 1, (1,), generator=rng))
+    taken = MIN_SCORED_TOKENS + 4  # a count that scores enough tokens
+    # every offset that leaves the corpus at least `taken` tokens, so both calls are valid
+    offset = int(torch.randint(0, len(ids) - taken + 1, (1,), generator=rng))
     assert evaluation_tokens(ids, offset, 0, 64).tolist() == ids[offset:].tolist()
-    assert evaluation_tokens(ids, offset, 20, 64).tolist() == ids[offset : offset + 20].tolist()
+    selected = evaluation_tokens(ids, offset, taken, 64)
+    assert selected.tolist() == ids[offset : offset + taken].tolist()
     with pytest.raises(ValueError, match="at least"):
         evaluation_tokens(ids, 300 - 4, 0, 64)
 

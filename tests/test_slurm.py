@@ -207,10 +207,14 @@ def test_a_preempted_job_is_requeued_once_and_finishes(slurm, held, tmp_path):
     # what Slurm sends the job's steps before it preempts the job (sbatch --signal=USR2@90)
     subprocess.run(["scancel", "--signal=USR2", row["job_id"]], check=True)
     wait_until(lambda: json.loads(record.read_text()).get("requeued"), "the run to be requeued")
-    # Slurm holds a requeued job for about two minutes (its BeginTime); start it now instead
+    # Slurm holds a requeued job for about two minutes (its BeginTime); start it sooner, but
+    # not within the second of the requeue: slurmd refuses a launch whose credential dates
+    # from the second in which the job's earlier credential was revoked ("Job credential
+    # revoked"), and the job then ends without running. Two seconds later, the new
+    # credential is newer than the revocation.
     job = row["job_id"]
     wait_until(lambda: queue_states([job]).get(job) == "PENDING", "the job to be pending again")
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now+2"], check=True)
     hold.unlink()
     (done,) = wait_until(
         lambda: (s := states(results)) and all(r["state"] == "done" for r in s.values()) and s,
