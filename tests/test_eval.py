@@ -165,7 +165,8 @@ def test_eval_command_reports_bad_input(argv, message, capsys):
 def test_select_tokens_takes_the_stated_tokens(rng):
     ids = torch.randint(0, 1000, (500,), generator=rng)
     offset = int(torch.randint(0, 400, (1,), generator=rng))
-    n = int(torch.randint(2, 500 - offset + 1, (1,), generator=rng))
+    # n >= 3: the shifted selection below takes n - 1 tokens, and select_tokens needs two
+    n = int(torch.randint(3, 500 - offset + 1, (1,), generator=rng))
     chosen = select_tokens(ids, offset, n)
     assert chosen.tolist() == ids.tolist()[offset : offset + n]
     with pytest.raises(ValueError, match="the corpus has 500 tokens"):

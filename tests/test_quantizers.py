@@ -360,7 +360,9 @@ def test_norm_mantissa_bits_are_counted_and_barely_change_the_distortion(rng):
     full = make_quantizer("turboquant-mse", d, bits, seed=seed)
     short = make_quantizer("turboquant-mse", d, bits, seed=seed, norm_mantissa_bits=6)
     assert full.bits_per_vector == 5 * 128 + 16 and short.bits_per_vector == 5 * 128 + 11
-    x = torch.randn(3_000, d, generator=rng) * torch.rand(3_000, 1, generator=rng) * 50
+    # norms over two and a half decades; never zero (float32 rand gives 0 with probability
+    # 2^-24 a row, and a zero row's relative error is 0/0)
+    x = torch.randn(3_000, d, generator=rng) * (0.01 + torch.rand(3_000, 1, generator=rng)) * 50
     error_full = (full.dequantize(full.quantize(x)) - x).pow(2).sum(-1) / x.pow(2).sum(-1)
     error_short = (short.dequantize(short.quantize(x)) - x).pow(2).sum(-1) / x.pow(2).sum(-1)
     # the norm's relative error is at most 2^-7, so it adds at most (2^-7)^2 = 6.1e-5 to a
