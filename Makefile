@@ -29,28 +29,19 @@ $(STAMP): pyproject.toml
 book: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 
-# The unit tests, then every chapter executed at its CPU defaults (pytest --nbmake), so that
-# CI fails when a chapter fails without building the whole book. The tests that run Triton
-# kernels in the interpreter (marker `interpreter`) and the chapters (cpu_threads 1; chapter 4
-# uses two) keep about one core busy each, so after the other tests they run together in three
-# processes: chapter 6 (the longest), the other chapters, the interpreter tests. CI has two
-# cores. Each process writes its report to a folder of its own; the reports are printed when
-# all three are done, and the target fails when any failed.
-LONGEST_CHAPTER := notebooks/06_bound.ipynb
-CONCURRENT := $(BIN)/python -m pytest -p no:cacheprovider
-NBMAKE := $(CONCURRENT) --nbmake --nbmake-timeout=1800
+# The unit tests and every chapter executed at its CPU defaults (pytest --nbmake), so that CI
+# fails when a chapter fails without building the whole book: one pytest run over two worker
+# processes (pytest-xdist; CI has two cores). Each worker runs torch on one thread
+# (OMP_NUM_THREADS=1: two workers with two threads each contend for the two cores; chapter 4
+# sets its own two), takes whole files (--dist loadfile: the Slurm tests share one cluster, and
+# a file's models load once) and takes them in the order given (--no-loadscope-reorder): the
+# longest chapters first, so that none of them starts last and leaves a core idle at the end.
+LONGEST_CHAPTERS := notebooks/06_bound.ipynb notebooks/04_perplexity.ipynb
+CHAPTERS := $(LONGEST_CHAPTERS) $(filter-out $(LONGEST_CHAPTERS),$(sort $(wildcard notebooks/*.ipynb)))
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not interpreter" tests
-	@echo "the interpreter tests and the chapters, in three processes: reports follow when all are done"
-	@reports=$$(mktemp -d); \
-	$(CONCURRENT) -m interpreter tests > $$reports/1-interpreter.txt 2>&1 & interpreter=$$!; \
-	$(NBMAKE) $(LONGEST_CHAPTER) > $$reports/3-longest-chapter.txt 2>&1 & longest=$$!; \
-	$(NBMAKE) $(filter-out $(LONGEST_CHAPTER),$(wildcard notebooks/*.ipynb)) \
-		> $$reports/2-chapters.txt 2>&1; others=$$?; \
-	wait $$longest; longest=$$?; wait $$interpreter; interpreter=$$?; \
-	cat $$reports/*.txt; rm -rf $$reports; \
-	test $$interpreter -eq 0 -a $$others -eq 0 -a $$longest -eq 0
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \
+		--nbmake --nbmake-timeout=1800 $(CHAPTERS) tests
 
 # The flakiness audit: every fast randomized test (@pytest.mark.randomized) over N fresh random
 # seeds in one pytest process, niced; the summary (failures, each statistic's spread next to

@@ -28,7 +28,8 @@ random model with logits of magnitude ~1 amplify to well under 1e-4; a code that
 decision boundary between the two paths (a key within ~1e-7 of a boundary) would move a logit
 by up to ~1e-2 instead (measured: one flipped byte, 3e-4). So the logits must agree within
 1e-4 when every stored byte is identical, and within 1e-2 when a code flipped; the tokens must
-be identical either way.
+be identical either way, up to a step where the torch path's best two logits are within twice
+that tolerance (a near tie, ``tests/greedy.py``), and the logits agree up to that step.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import math
 
 import pytest
 import torch
+from greedy import assert_same_greedy_tokens
 from tiny_models import KINDS, VOCAB, ByteTokenizer, preset_config, tiny_model
 
 from rqlib.hf import compress
@@ -161,11 +163,18 @@ def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
     print(f"{len(compiled)} specializations for {len(formats)} layer formats")
     assert len(compiled) == len(formats) >= 1
     flipped = sum(int((a != b).sum()) for a, b in zip(codes, kernel_codes))
-    difference = (kernel_logits - logits).abs().max().item()
+    tol = LOGIT_TOL if flipped == 0 else FLIPPED_CODE_TOL
+    prompt = ids.shape[1]
+    shared = assert_same_greedy_tokens(
+        kernel_tokens[:, prompt:], tokens[:, prompt:], logits, near_tie=2 * tol
+    )
+    difference = max(
+        (kernel_logits[row, :steps] - logits[row, :steps]).abs().max().item()
+        for row, steps in enumerate(shared)
+    )
     print(f"max logit difference {difference:.2e}; stored bytes that differ: {flipped}")
-    assert torch.equal(kernel_tokens, tokens)
     assert math.isfinite(difference)
-    assert difference <= (LOGIT_TOL if flipped == 0 else FLIPPED_CODE_TOL)
+    assert difference <= tol
 
 
 def test_a_config_the_kernel_cannot_serve_is_refused_when_built_on_cuda(rng, monkeypatch):

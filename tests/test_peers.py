@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from greedy import ROUNDING_TIE, assert_top1_agrees_but_at_ties, top1_near_ties
 from test_hf import VOCAB, head_dim_64_model, seed_of, tiny_model
 from transformers import LlamaConfig
 
@@ -171,7 +172,8 @@ def test_a_quantizing_peer_is_exact_in_prefill_and_not_in_decode(rng):
     _, decode = evaluate(model, ids, [peer], window=16, mode="decode", progress=False)
     # prefill: the model's own attention over exact states, against the same forward
     # without a cache (fp32 rounding only)
-    assert abs(prefill.kl) < 1e-6 and prefill.top1 == 1
+    assert abs(prefill.kl) < 1e-6
+    assert_top1_agrees_but_at_ties(prefill, top1_near_ties(model, ids, 16, None, ROUNDING_TIE))
     assert decode.kl > 1e-4
     excess = decode.per_window("kl") - prefill.per_window("kl")
     assert len(excess) == 12 and (excess > 0).all(), excess
@@ -183,7 +185,8 @@ def test_a_quantizing_peer_is_exact_in_prefill_and_not_in_decode(rng):
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_the_exact_peer_in_decode_mode_reproduces_the_one_shot_model(kind, rng):
     """The decode harness's control: DynamicCache fed token by token gives the one-shot
-    forward's distribution (fp32 rounding: |KL| < 1e-6, same argmax, PPL to 1e-5), also on
+    forward's distribution (fp32 rounding: |KL| < 1e-6, the same argmax but at near ties, PPL
+    to 1e-5), also on
     Gemma 3 where every layer keeps every token and the mask applies the sliding window."""
     model = tiny_llama(rng) if kind == "llama" else tiny_gemma3(rng)
     ids = torch.randint(0, VOCAB, (40,), generator=rng)
@@ -191,7 +194,8 @@ def test_the_exact_peer_in_decode_mode_reproduces_the_one_shot_model(kind, rng):
         model, ids, [Peer.parse("hf-dynamic")], window=20, mode="decode", progress=False
     )
     assert exact.n_scored == fp.n_scored == 38
-    assert abs(exact.kl) < 1e-6 and exact.top1 == 1
+    assert abs(exact.kl) < 1e-6
+    assert_top1_agrees_but_at_ties(exact, top1_near_ties(model, ids, 20, None, ROUNDING_TIE))
     assert exact.perplexity == pytest.approx(fp.perplexity, rel=1e-5)
     assert exact.tokens_fed == 38 and exact.seconds > 0
 

@@ -34,15 +34,20 @@ def test_makefile_uses_the_same_extras_and_the_no_deps_group():
     assert "--no-deps $$($(BIN)/python -m rqlib.base.install no-deps)" in makefile
 
 
-def test_make_test_executes_every_chapter_once():
-    """``make test`` runs the chapters in two processes; between them every notebook in
-    notebooks/ is executed, and none twice (read from ``make -n``, which runs nothing)."""
+def make_test_commands() -> list[str]:
+    """The commands ``make test`` runs, each on one line (read from ``make -n``, which runs
+    nothing; a recipe's continued lines joined)."""
     dry_run = subprocess.run(
         ["make", "-n", "-s", "test"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
+    return dry_run.replace("\\\n", " ").splitlines()
+
+
+def test_make_test_executes_every_chapter_once():
+    """Every notebook in notebooks/ is executed, and none twice."""
     executed = [
         path
-        for line in dry_run.splitlines()
+        for line in make_test_commands()
         if "--nbmake" in line
         for path in re.findall(r"[^\s;&]+\.ipynb", line)
     ]
@@ -51,13 +56,14 @@ def test_make_test_executes_every_chapter_once():
 
 
 def test_make_test_runs_every_test_once():
-    """``make test`` runs the tests in two processes split by the ``interpreter`` marker: one
-    selects it and the other everything else, so between them every test runs once."""
-    dry_run = subprocess.run(
-        ["make", "-n", "-s", "test"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    selections = re.findall(r"pytest .*?-m (interpreter|\"not interpreter\") tests", dry_run)
-    assert sorted(selections) == ['"not interpreter"', "interpreter"]
+    """One pytest run collects the whole tests/ folder and deselects nothing, on two workers
+    that take whole files."""
+    runs = [line for line in make_test_commands() if "-m pytest" in line]
+    assert len(runs) == 1, runs
+    words = runs[0].split("-m pytest", 1)[1].split()  # pytest's own arguments
+    assert "tests" in words
+    assert not {"-m", "-k", "--deselect", "--ignore", "--lf", "-x"} & set(words), runs[0]
+    assert "-n 2 --dist loadfile" in runs[0]
 
 
 def test_torch_is_pinned_exactly():
