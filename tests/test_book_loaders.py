@@ -266,26 +266,30 @@ def test_each_other_cpu_run_repeats_a_band_once_command(name):
     assert first == second
 
 
-TRELLIS_ONCE_FILES = (
-    "eval-trellis-once-smollm2-w1024.json",
-    "eval-trellis-once-smollm2-w4096.json",
-    "eval-trellis-once-gemma3-w1024.json",
-)
+#: file -> the preset it stores four ways
+TRELLIS_ONCE_FILES = {
+    "eval-trellis-once-smollm2-w1024.json": "rq-3",
+    "eval-trellis-once-smollm2-w4096.json": "rq-3",
+    "eval-trellis-once-gemma3-w1024.json": "rq-3",
+    "eval-trellis-once-smollm2-rq2-w1024.json": "rq-2",
+    "eval-trellis-once-gemma3-rq2-w1024.json": "rq-2",
+}
 
 
 @pytest.mark.parametrize("name", TRELLIS_ONCE_FILES)
 def test_each_trellis_once_run_stores_what_its_label_says(name):
-    """Chapter 6 reads these files as rq-3 stored four ways: the preset, with its band stored
-    once, with the trellis, and with both. Every run must be the preset resolved at its budget
-    and context, its recorded config must store the band and the codes as its label says, and
-    the command must write this file."""
+    """Chapter 6 reads these files as one preset stored four ways: the preset, with its band
+    stored once, with the trellis, and with both. Every run must be the preset resolved at its
+    budget and context, its recorded config must store the band and the codes as its label
+    says, and the command must write this file."""
     from rqlib.book.results import results_dir
     from rqlib.spec.config import CompressionConfig
 
     path = results_dir() / name
     runs = [r for r in json.loads(path.read_text())["results"] if r["config"] is not None]
+    preset = TRELLIS_ONCE_FILES[name]
     assert {r["label"] for r in runs} == {
-        f"preset:rq-3{tcq}{once}" for tcq in ("", ":tcq") for once in ("", ":once")
+        f"preset:{preset}{tcq}{once}" for tcq in ("", ":tcq") for once in ("", ":once")
     }
     for run in runs:
         tokens = run["label"].split(":")[2:]
