@@ -13,6 +13,8 @@ and parts the generations at steps whose best two logits are apart, which the ch
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rqlib.study.eval import windows
@@ -82,3 +84,25 @@ def assert_top1_agrees_but_at_ties(result, near_ties: torch.Tensor) -> None:
     assert disagree.shape == near_ties.shape, (disagree.shape, near_ties.shape)
     apart = (disagree & ~near_ties).nonzero().flatten().tolist()
     assert not apart, f"{result.label}: another top token at scored tokens {apart}, not near ties"
+
+
+def assert_same_greedy_generation(
+    tokens: torch.Tensor,
+    expected: torch.Tensor,
+    logits: torch.Tensor,
+    expected_logits: torch.Tensor,
+    tol: float,
+) -> float:
+    """Two greedy generations (generated tokens (batch, steps), logits (batch, steps, vocab))
+    of paths whose logits agree within ``tol``: the same tokens up to a near tie of width
+    ``2 * tol`` (:func:`assert_same_greedy_tokens`), and logits within ``tol`` up to and
+    including each row's parting step. Returns the largest logit difference over those steps."""
+    shared = assert_same_greedy_tokens(tokens, expected, expected_logits, near_tie=2 * tol)
+    difference = max(
+        (logits[row, :steps] - expected_logits[row, :steps]).abs().max().item()
+        for row, steps in enumerate(shared)
+    )
+    assert math.isfinite(difference) and difference <= tol, (
+        f"logits {difference:.3g} apart where the generations agree (tolerance {tol:.3g})"
+    )
+    return difference

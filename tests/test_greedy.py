@@ -6,7 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from greedy import assert_same_greedy_tokens, assert_top1_agrees_but_at_ties, parting_steps
+from greedy import (
+    assert_same_greedy_generation,
+    assert_same_greedy_tokens,
+    assert_top1_agrees_but_at_ties,
+    parting_steps,
+)
 
 VOCAB, STEPS, TIE = 50, 6, 1e-3
 
@@ -65,3 +70,17 @@ def test_top1_disagreements_are_accepted_at_ties_only(rng):
     top1[apart] = 0
     with pytest.raises(AssertionError, match=rf"at scored tokens \[{apart}\], not near ties"):
         assert_top1_agrees_but_at_ties(result, ties)
+
+
+def test_logits_are_compared_through_the_parting_step_only(rng):
+    step = int(torch.randint(0, STEPS - 1, (1,), generator=rng))
+    expected_logits = logits_with_gap(rng, {(0, step): TIE / 2})
+    expected = expected_logits.argmax(-1)
+    tokens = expected.clone()
+    tokens[0, step] = 1  # row 0 parts at a near tie; later steps see other tokens
+    logits = expected_logits.clone()
+    logits[0, step + 1 :] += 1.0  # after the parting: anything goes
+    assert assert_same_greedy_generation(tokens, expected, logits, expected_logits, TIE / 2) == 0
+    logits[1, step] += TIE  # where both rows still agree: twice the tolerance off
+    with pytest.raises(AssertionError, match="logits 0.001 apart where the generations agree"):
+        assert_same_greedy_generation(tokens, expected, logits, expected_logits, TIE / 2)

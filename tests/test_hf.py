@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from greedy import assert_same_greedy_tokens
+from greedy import assert_same_greedy_generation
 from transformers import (
     DynamicCache,
     Gemma3ForCausalLM,
@@ -127,17 +127,12 @@ GREEDY = dict(
 
 
 def assert_same_greedy(generated, reference, prompt: int) -> None:
-    """The same tokens as the reference, up to a near tie of its logits (``tests/greedy.py``:
-    logits that agree within LOGIT_TOL can break a tie closer than twice that), and the same
-    logits up to the step where they part."""
-    logits, expected_logits = (torch.stack(out.logits, 1) for out in (generated, reference))
-    shared = assert_same_greedy_tokens(
-        generated.sequences[:, prompt:], reference.sequences[:, prompt:], expected_logits,
-        near_tie=2 * LOGIT_TOL,
+    """The same tokens as the reference up to a near tie, and logits within LOGIT_TOL up to
+    the step where they part (``tests/greedy.py``)."""
+    assert_same_greedy_generation(
+        generated.sequences[:, prompt:], reference.sequences[:, prompt:],
+        *(torch.stack(out.logits, 1) for out in (generated, reference)), tol=LOGIT_TOL,
     )  # fmt: skip
-    for row, steps in enumerate(shared):
-        difference = (logits[row, :steps] - expected_logits[row, :steps]).abs().max().item()
-        assert difference <= LOGIT_TOL, f"row {row}: logits {difference:.3g} apart"
 
 
 @pytest.mark.parametrize("kind", KINDS)
