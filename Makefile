@@ -55,9 +55,9 @@ test-seeds: $(STAMP)
 
 # Chapter 5's sweep of chapter 4, regenerated at the current code from a clean tree: the runs
 # go to a fresh folder, which replaces results/04_perplexity/ only when every run succeeded.
-# Every setting is drawn with three rotation seeds: chapter 5 shows their range.
+# Every setting is drawn with three draws of the rotations: chapter 5 shows their range.
 SWEEP_GRID := -f params/04_perplexity-sweep.yaml -p key_bits 2 3 4 \
-	-p method turboquant-mse turboquant-prod rotorquant-mse -p exact_window 0 32 -p seed 0 1 2
+	-p method turboquant-mse turboquant-prod rotorquant-mse -p exact_window 0 32 -p draw 0 1 2
 SWEEP_NEW  := $(CURDIR)/book/_generated/sweep-results
 
 sweep: $(STAMP)

@@ -132,7 +132,7 @@ def test_a_table_ignores_only_near_exact_formats(rng, record_statistic):
     x = torch.randn(2000, 64, generator=rng)
 
     def relative_error(bits: int) -> float:
-        quantizer = make_quantizer("turboquant-mse", 64, bits, seed=seed_of(rng))
+        quantizer = make_quantizer("turboquant-mse", 64, bits, draw=seed_of(rng))
         x_hat = quantizer.dequantize(quantizer.quantize(x))
         return ((x_hat - x).norm(dim=-1) / x.norm(dim=-1)).pow(2).mean().sqrt().item()
 

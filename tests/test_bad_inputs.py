@@ -775,9 +775,9 @@ ROWS = [
         Raises(ValueError, r"token 'sink9+'.*n_sink must be an int in 0\.\.1048576"),
     ),
     Row(
-        "seed beyond 64 bits",
-        spec_error("turboquant-mse:seed=18446744073709551616"),
-        Raises(ValueError, r"token 'seed=1844.*seed must be an int in 0\.\.4294967295"),
+        "draw beyond 64 bits",
+        spec_error("turboquant-mse:draw=18446744073709551616"),
+        Raises(ValueError, r"token 'draw=1844.*draw must be an int in 0\.\.4294967295"),
     ),
     Row(
         "huge layer range",

@@ -34,10 +34,10 @@ def half_widths_from(interval, value: float) -> float:
 def test_the_slope_check_rejects_the_mse_estimator_and_accepts_qjl(rng, record_statistic, bits):
     d = 64
     queries, keys = checks.correlated_pairs(128, d, rng)
-    first_seed = int(torch.randint(0, 10**6, (1,), generator=rng))
-    mse = checks.estimator_slopes("turboquant-mse", bits, queries, keys, 32, first_seed=first_seed)
+    first_draw = int(torch.randint(0, 10**6, (1,), generator=rng))
+    mse = checks.estimator_slopes("turboquant-mse", bits, queries, keys, 32, first_draw=first_draw)
     prod = checks.estimator_slopes(
-        "turboquant-prod", bits, queries, keys, 32, first_seed=first_seed
+        "turboquant-prod", bits, queries, keys, 32, first_draw=first_draw
     )
     mse_interval, prod_interval = mse.interval(CONFIDENCE), prod.interval(CONFIDENCE)
     print(f"{bits} bits: MSE {mse_interval}, QJL {prod_interval}")

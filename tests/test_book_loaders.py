@@ -93,7 +93,7 @@ def test_committed_numbers_and_levers_from_synthetic_files(tmp_path):
     assert levers.to_dict("records") == [
         {"preset": "rq-3", "delta_ppl_pct": 1.0, "lever": "sink", "lever_delta_ppl_pct": 5.0}
     ]
-    spread = loaders.seed_spread(frame)
+    spread = loaders.draw_spread(frame)
     assert spread == {
         "n": 2,
         "tokens": 64,

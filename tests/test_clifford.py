@@ -76,7 +76,7 @@ def test_grades_partition_the_multivector(rng):
 
 
 def test_rotors_are_unit(rng):
-    rotors = clifford.random_rotors(256, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    rotors = clifford.random_rotors(256, draw=int(torch.randint(0, 2**31, (1,), generator=rng)))
     product = clifford.geometric_product(rotors, clifford.reverse(rotors))
     expected = torch.zeros_like(product)
     expected[:, 0] = 1.0
@@ -85,7 +85,7 @@ def test_rotors_are_unit(rng):
 
 def test_sandwich_preserves_norms_inner_products_and_grade(rng):
     n = 128
-    rotors = clifford.random_rotors(n, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    rotors = clifford.random_rotors(n, draw=int(torch.randint(0, 2**31, (1,), generator=rng)))
     u, v = random_vectors_as_mv(rng, n), random_vectors_as_mv(rng, n)
     ru, rv = clifford.sandwich(rotors, u), clifford.sandwich(rotors, v)
     # nothing leaks out of grade 1
@@ -104,7 +104,7 @@ def test_sandwich_composes(rng):
 
 
 def test_sandwich_equals_its_rotation_matrix(rng):
-    rotors = clifford.random_rotors(64, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    rotors = clifford.random_rotors(64, draw=int(torch.randint(0, 2**31, (1,), generator=rng)))
     matrices = clifford.rotor_matrix(rotors)
     eye = torch.eye(3, dtype=torch.float64).expand(64, 3, 3)
     torch.testing.assert_close(matrices @ matrices.transpose(-1, -2), eye, atol=TOL, rtol=0)

@@ -56,5 +56,5 @@ def test_the_committed_sweep_draws_every_setting_more_than_once():
     sweep runs every setting with several seeds, the same number each."""
     runs = collect("04_perplexity")
     keys = ["key_bits", "method", "exact_window"]
-    summary = repeated_draws(runs, "delta_ppl_pct", keys, "seed")
+    summary = repeated_draws(runs, "delta_ppl_pct", keys, "draw")
     assert summary["n_draws"].min() >= 2, "a setting of the committed sweep was drawn once"

@@ -103,7 +103,7 @@ def test_score_statistics_decomposes_the_error_variance(rng, record_statistic):
 @pytest.mark.parametrize("method", ["turboquant-mse", "turboquant-prod", "rotorquant-mse"])
 def test_layer_errors_match_an_sdpa_oracle_on_dequantized_keys(rng, method):
     query, key, value = qkv(rng)
-    quantizer = make_quantizer(method, 16, 3, seed=int(torch.randint(0, 1000, (1,), generator=rng)))
+    quantizer = make_quantizer(method, 16, 3, draw=int(torch.randint(0, 1000, (1,), generator=rng)))
     scaling = 16**-0.5
     errors = layer_errors(query, key, value, quantizer, scaling)
 
@@ -131,7 +131,7 @@ def test_layer_errors_match_an_sdpa_oracle_on_dequantized_keys(rng, method):
 @pytest.mark.parametrize("method", ["turboquant-mse", "turboquant-prod"])
 def test_second_order_and_shrinkage_kl_match_an_oracle(rng, method):
     query, key, value = qkv(rng)
-    quantizer = make_quantizer(method, 16, 3, seed=int(torch.randint(0, 1000, (1,), generator=rng)))
+    quantizer = make_quantizer(method, 16, 3, draw=int(torch.randint(0, 1000, (1,), generator=rng)))
     scaling = 16**-0.5
     errors = layer_errors(query, key, value, quantizer, scaling)
 
@@ -172,7 +172,7 @@ def test_second_order_kl_approaches_the_exact_kl_for_small_errors(rng, record_st
     for _ in range(SECOND_ORDER_DRAWS):
         query, key, value = qkv(rng, tokens=64)
         quantizer = make_quantizer(
-            "turboquant-mse", 16, 8, seed=int(torch.randint(0, 999, (1,), generator=rng))
+            "turboquant-mse", 16, 8, draw=int(torch.randint(0, 999, (1,), generator=rng))
         )
         errors = layer_errors(query, key, value, quantizer, 16**-0.5)
         ratios.append(abs(errors.kl_second_order / errors.attention_kl - 1))
@@ -194,11 +194,11 @@ def test_mse_slope_on_random_keys_is_the_predicted_shrinkage(rng, record_statist
     # unbiased one.
     query, key, value = qkv(rng, tokens=256, heads=8, kv=4, d=64)
     seed = int(torch.randint(0, 999, (1,), generator=rng))
-    quantizer = make_quantizer("turboquant-mse", 64, 3, seed=seed)
+    quantizer = make_quantizer("turboquant-mse", 64, 3, draw=seed)
     errors = layer_errors(query, key, value, quantizer, 0.125)
     shrinkage = mse_shrinkage(quantizer.codebook.distortion)
     record_statistic("|MSE slope - (1 - D)|", abs(errors.slope - shrinkage), 0.009)
-    prod = make_quantizer("turboquant-prod", 64, 3, seed=seed)
+    prod = make_quantizer("turboquant-prod", 64, 3, draw=seed)
     prod_slope = layer_errors(query, key, value, prod, 0.125).slope
     record_statistic("|prod slope - 1|", abs(prod_slope - 1), 0.016)
 

@@ -252,7 +252,7 @@ def _reference_attention(
 
 def _codec(dim: int, bits: int, seed: int, trellis_state_bits: int | None = None) -> VectorCodec:
     quantizer = make_quantizer(
-        "turboquant-mse", dim, bits, seed=seed, trellis_state_bits=trellis_state_bits
+        "turboquant-mse", dim, bits, draw=seed, trellis_state_bits=trellis_state_bits
     )
     return VectorCodec([ChannelPart(quantizer, None)], dim)
 
@@ -317,8 +317,8 @@ def _centering_errors(rng) -> tuple[float, float]:
     )
     codec = VectorCodec(
         [
-            ChannelPart(make_quantizer("turboquant-mse", 8, 8, seed=seed_of(rng)), outliers),
-            ChannelPart(make_quantizer("turboquant-mse", dim - 8, 8, seed=seed_of(rng)), rest),
+            ChannelPart(make_quantizer("turboquant-mse", 8, 8, draw=seed_of(rng)), outliers),
+            ChannelPart(make_quantizer("turboquant-mse", dim - 8, 8, draw=seed_of(rng)), rest),
         ],
         dim,
         mean=mean,
@@ -369,7 +369,7 @@ def test_channel_scaling_is_divided_out_in_scores_and_decode(rng, record_statist
     exact = torch.einsum("bhld,bhsd->bhls", q, keys.repeat_interleave(2, 1))
     for bits, check_exact in ((2, False), (8, True)):
         codec = VectorCodec(
-            [ChannelPart(make_quantizer("turboquant-mse", dim, bits, seed=seed_of(rng)), None)],
+            [ChannelPart(make_quantizer("turboquant-mse", dim, bits, draw=seed_of(rng)), None)],
             dim,
             mean=mean,
             scale=scale,
@@ -397,7 +397,7 @@ def test_norm_corrected_norms_keep_the_short_norm_format(rng):
     # norm correction rewrites every stored norm; with nm=4 the rewritten norms must still be
     # e5m4 values (the low 6 of fp16's 10 mantissa bits zero), or the bit count would lie
     dim = 32
-    quantizer = make_quantizer("turboquant-mse", dim, 3, seed=seed_of(rng), norm_mantissa_bits=4)
+    quantizer = make_quantizer("turboquant-mse", dim, 3, draw=seed_of(rng), norm_mantissa_bits=4)
     codec = VectorCodec([ChannelPart(quantizer, None)], dim, norm_correction=True)
     compressed = codec.encode(torch.randn(1, 2, 50, dim, generator=rng) * 5)
     norms = compressed.parts[0].norms
@@ -610,7 +610,7 @@ LEVERS = [
     "nm=4",
     "ko4",
     "vo4",
-    "seed=3",
+    "draw=3",
     "law=gaussian",
 ]
 

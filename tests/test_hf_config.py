@@ -13,7 +13,7 @@ from rqlib.spec.presets import PRESETS
 def test_parse_reads_every_lever():
     config = CompressionConfig.parse(
         "turboquant-prod:k4:v3:k0-1=5:v29=fp:sink2:win32:exact=0,-1:ctr:ko32:vo16:obits=2"
-        ":rot=hadamard:qjl=orthogonal:m=128:law=gaussian:seed=7:ctok=512"
+        ":rot=hadamard:qjl=orthogonal:m=128:law=gaussian:draw=7:ctok=512"
     )
     assert config.method == "turboquant-prod" and config.value_method == "turboquant-mse"
     assert (config.key_bits, config.value_bits) == (4, 3)
@@ -23,7 +23,7 @@ def test_parse_reads_every_lever():
     assert config.center_keys and config.needs_calibration
     assert (config.key_outliers, config.value_outliers, config.outlier_extra_bits) == (32, 16, 2)
     assert (config.rotation, config.qjl_sketch, config.qjl_dim) == ("hadamard", "orthogonal", 128)
-    assert (config.codebook_law, config.seed, config.calibration_tokens) == ("gaussian", 7, 512)
+    assert (config.codebook_law, config.draw, config.calibration_tokens) == ("gaussian", 7, 512)
     assert config.exact_layer_set(30) == {0, 29}
 
 

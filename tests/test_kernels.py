@@ -58,7 +58,7 @@ def random_seed(rng: torch.Generator) -> int:
 
 
 def quantizer(method, d, bits, rng, **options):
-    return make_quantizer(method, d, bits, seed=random_seed(rng), **options)
+    return make_quantizer(method, d, bits, draw=random_seed(rng), **options)
 
 
 def gaussian(rng, *shape, dtype=torch.float32):
@@ -360,7 +360,7 @@ def test_centroid_pairs_are_the_codebook_two_at_a_time(bits, dtype, rng):
     equality: the table holds the codebook's values bit for bit, and a wrong half, index
     order or mask changes some of the random codes' centroids."""
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    quantizer = make_quantizer("turboquant-mse", 40, bits, seed=seed)
+    quantizer = make_quantizer("turboquant-mse", 40, bits, draw=seed)
     table = numerics.kernel_table(quantizer, "cpu", dtype)
     codebook = numerics.kernel_centroids(quantizer, "cpu", dtype)
     n_rows, rows, dim, chunk, width = 11, 16, 40, 32, 64

@@ -197,7 +197,7 @@ LONG_CASE = Case(
 def codec(spec, d, rng, mean=None, scale=None, nm=None) -> VectorCodec:
     method, bits, options = spec
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    quantizer = make_quantizer(method, d, bits, seed=seed, norm_mantissa_bits=nm, **options)
+    quantizer = make_quantizer(method, d, bits, draw=seed, norm_mantissa_bits=nm, **options)
     return VectorCodec([ChannelPart(quantizer, None)], d, mean=mean, scale=scale)
 
 
@@ -364,8 +364,8 @@ def test_triton_attention_matches_the_torch_implementation(case, rng, recorded):
 
 def test_a_state_the_kernel_cannot_serve_is_refused(rng):
     d = 64
-    q1 = make_quantizer("turboquant-mse", 8, 3, seed=1)
-    q2 = make_quantizer("turboquant-mse", d - 8, 3, seed=2)
+    q1 = make_quantizer("turboquant-mse", 8, 3, draw=1)
+    q2 = make_quantizer("turboquant-mse", d - 8, 3, draw=2)
     channels = torch.arange(8).expand(1, 8)
     rest = torch.arange(8, d).expand(1, d - 8)
     split = VectorCodec([ChannelPart(q1, channels), ChannelPart(q2, rest)], d)
@@ -495,7 +495,7 @@ def decode_step_after_200_keys(rng, coded_values: bool):
     exact band of 5; ``expected`` is the float64 reference on the kernel's codebook."""
     d, total = 64, 200
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    quantizer = make_quantizer("turboquant-mse", d, 3, seed=seed)
+    quantizer = make_quantizer("turboquant-mse", d, 3, draw=seed)
     codec = VectorCodec([ChannelPart(quantizer, None)], d)
     if coded_values:
         layer = CompressedLayer(0, codec, codec, 1, 5)

@@ -51,7 +51,7 @@ def test_split_dot_agrees_with_float64_where_one_fp16_product_does_not(rng):
 @pytest.mark.parametrize("bits", [3, 8])
 def test_the_kernel_codebook_is_the_codebook_rounded_to_fp16(bits, rng):
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    quantizer = make_quantizer("turboquant-mse", 128, bits, seed=seed)
+    quantizer = make_quantizer("turboquant-mse", 128, bits, draw=seed)
     table = numerics.kernel_centroids(quantizer, "cpu")
     assert table.dtype == numerics.CODEBOOK_DTYPE
     centroids = quantizer.centroids.double()
@@ -74,7 +74,7 @@ def test_a_table_of_centroid_pairs_holds_the_kernel_codebook(bits, rng):
     half) of the kernel's codebook, bit for bit, in fp16 and float32; past ``PAIR_MAX_BITS``
     only the entries ``j = 0`` are made (the high halves zero)."""
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    quantizer = make_quantizer("turboquant-mse", 64, bits, seed=seed)
+    quantizer = make_quantizer("turboquant-mse", 64, bits, draw=seed)
     for dtype in (torch.float16, torch.float32):
         codebook = numerics.kernel_centroids(quantizer, "cpu", dtype)
         table = numerics.kernel_table(quantizer, "cpu", dtype)

@@ -47,7 +47,7 @@ def test_turboquant_mse_distortion_matches_codebook(rng, record_statistic, d, bi
     """After a Haar rotation a uniform unit vector is again uniform, whatever the rotation
     drawn, so the per-vector errors are independent with mean the codebook's D_mse exactly.
     The sample mean of 3,000 is within Z standard errors of D (false failure 1e-7)."""
-    quantizer = make_quantizer("turboquant-mse", d, bits, seed=fresh_seed(rng))
+    quantizer = make_quantizer("turboquant-mse", d, bits, draw=fresh_seed(rng))
     errors = measured_distortion(quantizer, unit_vectors(rng, 3_000, d))
     expected = lloyd_max(d, bits).distortion
     print(
@@ -67,7 +67,7 @@ def test_mse_estimator_shrinks_inner_products_by_one_minus_distortion(rng, recor
     vector to vector (relative sd sqrt(D/d) ≤ 0.06, so ≤ 0.06/sqrt(n) = 8e-4 on the slope);
     2e-3 covers it 2.4 times over, Z covers the regression noise (false failure 1e-7)."""
     d, n = 128, 20_000
-    quantizer = make_quantizer("turboquant-mse", d, bits, seed=fresh_seed(rng))
+    quantizer = make_quantizer("turboquant-mse", d, bits, draw=fresh_seed(rng))
     x = unit_vectors(rng, n, d)
     q = torch.randn(n, d, generator=rng)
     truth = (q * x).sum(-1)
@@ -94,7 +94,7 @@ def prod_errors(rng, method, bits, sketch, d=64, quantizers=200, pairs=100, **op
     base = fresh_seed(rng)
     errors, mse_errors, bounds, exact_var = [], [], [], []
     for i in range(quantizers):
-        quantizer = make_quantizer(method, d, bits, seed=base + i, qjl_sketch=sketch, **options)
+        quantizer = make_quantizer(method, d, bits, draw=base + i, qjl_sketch=sketch, **options)
         x = torch.randn(pairs, d, generator=rng) * (1 + torch.rand(pairs, 1, generator=rng))
         q = x + 0.5 * torch.randn(pairs, d, generator=rng)  # correlated: ⟨q, x⟩ is large
         c = quantizer.quantize(x)
@@ -168,7 +168,7 @@ def test_rotorquant_distortion_on_gaussian_vectors(rng, record_statistic):
     isotropic and moves the mean by a fixed amount, well under 3 %: Z standard errors (≈ 0.6 %
     of D) plus that shift stay inside 3 %, and the audit shows the margin."""
     for d in (96, 128):
-        quantizer = make_quantizer("rotorquant-mse", d, 3, seed=fresh_seed(rng))
+        quantizer = make_quantizer("rotorquant-mse", d, 3, draw=fresh_seed(rng))
         x = torch.randn(3_000, d, generator=rng)
         errors = measured_distortion(quantizer, x) / (x * x).sum(-1)
         print(f"rotorquant-mse d={d} b=3 on Gaussian vectors: D = {errors.mean().item():.5f}")
@@ -183,7 +183,7 @@ def mean_relative_distortion(rng, method, d, draws, vectors, outliers):
     """One mean relative distortion per draw of the rotation: fresh quantizer, fresh vectors."""
     means = []
     for _ in range(draws):
-        quantizer = make_quantizer(method, d, 3, seed=fresh_seed(rng))
+        quantizer = make_quantizer(method, d, 3, draw=fresh_seed(rng))
         x = torch.randn(vectors, d, generator=rng)
         x[:, outliers] *= 12.0
         means.append((measured_distortion(quantizer, x) / (x * x).sum(-1)).mean().item())
@@ -220,7 +220,7 @@ def test_rotor_blocks_leave_outliers_dense_rotation_spreads_them(rng, record_sta
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_inner_product_equals_dot_with_reconstruction(rng, method, bits):
-    quantizer = make_quantizer(method, 96, bits, seed=fresh_seed(rng))
+    quantizer = make_quantizer(method, 96, bits, draw=fresh_seed(rng))
     x, q = torch.randn(64, 96, generator=rng), torch.randn(64, 96, generator=rng)
     c = quantizer.quantize(x)
     # float32 sums over 96 products of O(1) terms: 1e-4 absolute
@@ -250,7 +250,7 @@ def test_storage_accounting(rng):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_dtypes_and_zero_vectors(rng, dtype):
-    quantizer = make_quantizer("turboquant-prod", 64, 3, seed=fresh_seed(rng))
+    quantizer = make_quantizer("turboquant-prod", 64, 3, draw=fresh_seed(rng))
     x = torch.randn(8, 64, generator=rng).to(dtype)
     x[3] = 0
     c = quantizer.quantize(x)
@@ -261,7 +261,7 @@ def test_dtypes_and_zero_vectors(rng, dtype):
 
 
 def test_cat_and_map(rng):
-    quantizer = make_quantizer("rotorquant-prod", 64, 3, seed=fresh_seed(rng))
+    quantizer = make_quantizer("rotorquant-prod", 64, 3, draw=fresh_seed(rng))
     a = quantizer.quantize(torch.randn(2, 3, 64, generator=rng))
     b = quantizer.quantize(torch.randn(2, 5, 64, generator=rng))
     joined = CompressedVectors.cat([a, b], dim=1)
@@ -357,8 +357,8 @@ def test_norm_mantissa_rounding_is_nearest_and_representable(mantissa_bits, rng)
 def test_norm_mantissa_bits_are_counted_and_barely_change_the_distortion(rng):
     d, bits = 128, 5
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    full = make_quantizer("turboquant-mse", d, bits, seed=seed)
-    short = make_quantizer("turboquant-mse", d, bits, seed=seed, norm_mantissa_bits=6)
+    full = make_quantizer("turboquant-mse", d, bits, draw=seed)
+    short = make_quantizer("turboquant-mse", d, bits, draw=seed, norm_mantissa_bits=6)
     assert full.bits_per_vector == 5 * 128 + 16 and short.bits_per_vector == 5 * 128 + 11
     # norms over two and a half decades; never zero (float32 rand gives 0 with probability
     # 2^-24 a row, and a zero row's relative error is 0/0)

@@ -177,7 +177,7 @@ def test_transform_code_beats_the_rotation_on_anisotropic_vectors(rng, record_st
     assert code.group_bits[0] > code.group_bits[-1]  # the bits follow the spectrum
     mean = fit.mean(0)
     rotated = bound._rotation_code(
-        held, mean, 2, seed=int(torch.randint(1 << 30, (1,), generator=rng)), trellis=None
+        held, mean, 2, draw=int(torch.randint(1 << 30, (1,), generator=rng)), trellis=None
     )
 
     def per_vector(x_hat):
@@ -194,7 +194,7 @@ def test_viterbi_finds_the_best_of_every_symbol_sequence(rng):
     """On sequences short enough to enumerate (4 steps of 1 or 2 bits, 3 state bits), the
     encoder's path has the least squared error of all paths, and decode follows the register
     from state 0."""
-    trellis = BitshiftTrellis(state_bits=3, seed=int(torch.randint(1 << 30, (1,), generator=rng)))
+    trellis = BitshiftTrellis(state_bits=3, draw=int(torch.randint(1 << 30, (1,), generator=rng)))
     steps = [1, 2, 2, 1]
     x = torch.randn(16, 4, generator=rng, dtype=torch.float64)
     chosen = trellis.decode(trellis.encode(x, steps), steps)

@@ -43,8 +43,8 @@ def test_the_trellis_quantizer_stores_the_same_bits_and_errs_less(rng, record_st
     wins = 0
     for _ in range(TABLES):
         seed = seed_of(rng)
-        trellis = make_quantizer("turboquant-mse", 64, 3, seed=seed, trellis_state_bits=10)
-        lloyd_max = make_quantizer("turboquant-mse", 64, 3, seed=seed)
+        trellis = make_quantizer("turboquant-mse", 64, 3, draw=seed, trellis_state_bits=10)
+        lloyd_max = make_quantizer("turboquant-mse", 64, 3, draw=seed)
         assert trellis.bits_per_vector == lloyd_max.bits_per_vector
         x = torch.randn(400, 64, generator=rng)
 
@@ -62,7 +62,7 @@ def test_trellis_codes_read_back_as_they_were_encoded(rng):
     """The values the encoder chose (used for the QJL residual) are the values every reader
     decodes from the packed symbols, bit for bit, for MSE and prod quantizers."""
     for method, bits in (("turboquant-mse", 2), ("turboquant-prod", 3), ("rotorquant-mse", 3)):
-        quantizer = make_quantizer(method, 24, bits, seed=seed_of(rng), trellis_state_bits=9)
+        quantizer = make_quantizer(method, 24, bits, draw=seed_of(rng), trellis_state_bits=9)
         x = torch.randn(5, 7, 24, generator=rng)
         _, y = quantizer.rotated_unit(x)
         _, chosen = quantizer.trellis_code(y)

@@ -46,7 +46,7 @@ def _transform_codec(rng, widths=(3, 2)) -> VectorCodec:
     """Groups 0 and 1 at ``widths`` bits, group 2 not stored; a random mean and transform."""
     parts = [
         ChannelPart(
-            make_quantizer("turboquant-mse", TRANSFORM_GROUP, bits, seed=seed_of(rng)),
+            make_quantizer("turboquant-mse", TRANSFORM_GROUP, bits, draw=seed_of(rng)),
             torch.arange(g * TRANSFORM_GROUP, (g + 1) * TRANSFORM_GROUP).expand(KV_HEADS, -1),
         )
         for g, bits in enumerate(widths)

@@ -151,11 +151,11 @@ def estimator_slopes(
     keys: torch.Tensor,
     draws: int,
     *,
-    first_seed: int = 0,
+    first_draw: int = 0,
     **options,
 ) -> SlopeDraws:
     """``Quantizer.inner_product`` over the fixed pairs for ``draws`` independent quantizers
-    (``make_quantizer(method, d, bits, seed=first_seed + i, **options)``): per draw, the
+    (``make_quantizer(method, d, bits, draw=first_draw + i, **options)``): per draw, the
     least-squares slope through the origin of the estimate on the truth ``<q, k>``.
 
     The slopes are independent and identically distributed; their expectation is the
@@ -175,7 +175,7 @@ def estimator_slopes(
     slopes = np.empty(draws)
     total = torch.zeros_like(truth)
     for i in range(draws):
-        quantizer = make_quantizer(method, keys.shape[-1], bits, seed=first_seed + i, **options)
+        quantizer = make_quantizer(method, keys.shape[-1], bits, draw=first_draw + i, **options)
         estimate = quantizer.inner_product(queries, quantizer.quantize(keys)).double()
         slopes[i] = float((estimate * truth).sum()) / energy
         total += estimate

@@ -189,15 +189,15 @@ def _poisoned() -> None:
     launch.POISON_BUFFERS = True
 
 
-def scores_check(head_dim: int, bits: int, group: int, seed: int, device: str) -> dict:
+def scores_check(head_dim: int, bits: int, group: int, draw: int, device: str) -> dict:
     """``fused_scores`` (Triton) on prod keys against float64 torch and the quantizer's own
     ``inner_product``: ``{"vs_float64": error, "vs_inner_product": error, "seconds": ...}``."""
     import time
 
     _poisoned()
     shape = IRREGULAR
-    generator = torch.Generator().manual_seed(seed)
-    quantizer = make_quantizer(KEY_METHOD, head_dim, bits, seed=seed)
+    generator = torch.Generator().manual_seed(draw)
+    quantizer = make_quantizer(KEY_METHOD, head_dim, bits, draw=draw)
     keys = quantizer.quantize(
         _gaussian(generator, device, shape.batch, shape.kv_heads, shape.scores_kv_len, head_dim) * 3
     )
@@ -217,7 +217,7 @@ def scores_check(head_dim: int, bits: int, group: int, seed: int, device: str) -
 
 
 def _check_layer(
-    head_dim: int, bits: int, value_bits: int, seed: int, device: str, generator
+    head_dim: int, bits: int, value_bits: int, draw: int, device: str, generator
 ) -> tuple:
     """``(state, k, v)``: the cache layer of the attention checks (:data:`IRREGULAR` shapes)
     over Gaussian keys ``k`` and values ``v`` drawn from ``generator``: ``bits``-bit prod keys
@@ -225,8 +225,8 @@ def _check_layer(
     Every buffer the kernels write from then on starts as NaN."""
     _poisoned()
     s = IRREGULAR
-    key_quantizer = make_quantizer(KEY_METHOD, head_dim, bits, seed=seed)
-    value_quantizer = make_quantizer(VALUE_METHOD, head_dim, value_bits, seed=seed + 1)
+    key_quantizer = make_quantizer(KEY_METHOD, head_dim, bits, draw=draw)
+    value_quantizer = make_quantizer(VALUE_METHOD, head_dim, value_bits, draw=draw + 1)
     k = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim) * 2
     v = _gaussian(generator, device, s.batch, s.kv_heads, s.decode_kv_len, head_dim)
     layer = bench.decode_layer(key_quantizer, value_quantizer, k, v, s.n_sink, s.n_recent)
@@ -234,7 +234,7 @@ def _check_layer(
 
 
 def attention_check(
-    head_dim: int, bits: int, value_bits: int, group: int, seed: int, device: str
+    head_dim: int, bits: int, value_bits: int, group: int, draw: int, device: str
 ) -> dict:
     """The fused attention (Triton) against the float64 torch implementation on one cache layer
     that stores prod keys and MSE values as packed codes, exact sink tokens and an exact recent
@@ -250,8 +250,8 @@ def attention_check(
     from rqlib.kernels.state import CausalMask
 
     s = IRREGULAR
-    generator = torch.Generator().manual_seed(seed + 1)
-    state, k, v = _check_layer(head_dim, bits, value_bits, seed, device, generator)
+    generator = torch.Generator().manual_seed(draw + 1)
+    state, k, v = _check_layer(head_dim, bits, value_bits, draw, device, generator)
     scale = head_dim**-0.5
     errors, seconds = {}, 0.0
     for name, q_len in (("prompt", s.q_len), ("decode", 1)):
@@ -367,12 +367,12 @@ def split_dot_bound(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (relative + (2 * k + 1) * 2.0**-24) * magnitudes + absolute * y.double().abs().sum(0)
 
 
-def split_dot_check(seed: int, device: str, m: int = 16, k: int = 64, n: int = 16) -> dict:
+def split_dot_check(draw: int, device: str, m: int = 16, k: int = 64, n: int = 16) -> dict:
     """``split_dot`` and a single fp16 ``tl.dot`` of a float32 matrix (magnitudes spread over
     several octaves, some below fp16's normal range) and an fp16 one, against float64. Returns
     the largest ratio of each one's error to :func:`split_dot_bound` (``split_dot`` must stay
     at or below 1) and the largest error of each relative to the largest product."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(draw)
     x, y = (
         torch.randn(*shape, generator=generator)
         * torch.exp(2 * torch.randn(*shape, generator=generator))
@@ -433,16 +433,16 @@ def gather_centroids(
     return out
 
 
-def centroid_pairs_check(codes: torch.Tensor, bits: int, seed: int, device: str) -> dict:
+def centroid_pairs_check(codes: torch.Tensor, bits: int, draw: int, device: str) -> dict:
     """The attention kernel's read of one packed row of ``codes`` (``uint8``, a multiple of 16
     of them) through the table of centroid pairs of a ``bits``-bit TurboQuant-MSE quantizer
-    (``seed``), two codes a load: ``"exact"``, whether it returns the kernel's fp16 codebook
+    (``draw``), two codes a load: ``"exact"``, whether it returns the kernel's fp16 codebook
     at ``codes`` bit for bit, and ``"pairs"``, a table of each pair of adjacent codes, the
     ``2 * bits``-bit field they form in the packed row, and the two halves of the table's
     entry there next to the codebook's centroids of the two codes."""
     if codes.dim() != 1 or codes.numel() % 16:
         raise ValueError(f"codes must be one row of a multiple of 16 codes, got {codes.shape}")
-    quantizer = make_quantizer("turboquant-mse", codes.numel(), bits, seed=seed)
+    quantizer = make_quantizer("turboquant-mse", codes.numel(), bits, draw=draw)
     table = numerics.kernel_table(quantizer, device)
     codebook = numerics.kernel_centroids(quantizer, "cpu")
     packed = pack_bits(codes, bits)[None, :]

@@ -41,7 +41,7 @@ __all__ = [
     "preset_evidence",
     "preset_verdict",
     "recorded_command",
-    "seed_spread",
+    "draw_spread",
     "shipped_allocation",
     "sweep_command",
     "sweep_draws",
@@ -77,7 +77,7 @@ COMMITTED = {
     "eval-quantizers-gemma3.json": "every quantizer, keys only",
     "presets-smollm2.json": "the presets, keys and values",
     "presets-gemma3.json": "the presets, keys and values",
-    "seeds-smollm2.json": "rq-3.5 with three other rotation seeds",
+    "draws-smollm2.json": "rq-3.5 with three other rotation draws",
     "ablation-smollm2.json": "each preset with one lever changed at a time",
 }
 
@@ -174,11 +174,11 @@ def preset_table(frames: dict[str, pd.DataFrame]):
 
 
 def committed_numbers(
-    keys_only: dict[str, pd.DataFrame], presets: dict[str, pd.DataFrame], seeds: pd.DataFrame
+    keys_only: dict[str, pd.DataFrame], presets: dict[str, pd.DataFrame], draws: pd.DataFrame
 ) -> dict[str, object]:
     """The numbers chapter 4's prose quotes from the committed files, by glue name:
     ``keys_only_<model>_<method>_k<bits>`` (ΔPPL %), ``presets_<model>_<preset>_<column>``
-    (with a ``_verdict`` against the targets) and ``seeds_<stat>``."""
+    (with a ``_verdict`` against the targets) and ``draws_<stat>``."""
     from rqlib.book.chapter import slug
 
     numbers: dict[str, object] = {}
@@ -197,7 +197,7 @@ def committed_numbers(
                 numbers[slug("presets", m, row.preset, column)] = float(getattr(row, column))
             verdict = preset_verdict(row.preset, row.bits_mean, row.delta_ppl_pct, row.kl)
             numbers[slug("presets", m, row.preset, "verdict")] = verdict
-    numbers.update({f"seeds_{k}": v for k, v in seed_spread(seeds).items()})
+    numbers.update({f"draws_{k}": v for k, v in draw_spread(draws).items()})
     return numbers
 
 
@@ -264,12 +264,12 @@ def preset_verdict(preset: str, bits_mean: float, delta_ppl_pct: float, kl: floa
     return "meets its target" if not missed else "misses its target: " + ", ".join(missed)
 
 
-def seed_spread(frame: pd.DataFrame) -> dict[str, float]:
-    """The range of ΔPPL % and KL over the baseline rows of a seeds file (other rotation
-    seeds of one preset): ``{"n", "tokens", "delta_ppl_pct_min", ..., "kl_max"}``."""
+def draw_spread(frame: pd.DataFrame) -> dict[str, float]:
+    """The range of ΔPPL % and KL over the baseline rows of a draws file (other rotation
+    draws of one preset): ``{"n", "tokens", "delta_ppl_pct_min", ..., "kl_max"}``."""
     rows = frame[frame["role"] == "baseline"]
     if rows.empty:
-        raise ValueError("the seeds file has no baseline rows")
+        raise ValueError("the draws file has no baseline rows")
     spread = {"n": len(rows), "tokens": int(frame["tokens"].iloc[0])}
     for column in ("delta_ppl_pct", "kl"):
         spread[f"{column}_min"] = float(rows[column].min())
@@ -279,7 +279,7 @@ def seed_spread(frame: pd.DataFrame) -> dict[str, float]:
 
 def sweep_draws(directory: Path | str | None = None, bits: int = 3) -> dict[str, object]:
     """How far one setting of chapter 4 moves when its rotations are drawn again, from the
-    committed sweep (``results/04_perplexity/``, every setting drawn with several seeds, at
+    committed sweep (``results/04_perplexity/``, every setting drawn with several draws, at
     whatever code state it was run: the range is a property of the protocol, not of a commit).
 
     Glue values: ``sweep_tokens``, ``sweep_window``, ``sweep_n_draws``; per method at ``bits``
@@ -292,7 +292,7 @@ def sweep_draws(directory: Path | str | None = None, bits: int = 3) -> dict[str,
 
     runs = collect("04_perplexity", directory)
     keys = ["key_bits", "method", "exact_window"]
-    summary = repeated_draws(runs, "delta_ppl_pct", keys, "seed")
+    summary = repeated_draws(runs, "delta_ppl_pct", keys, "draw")
     spread = summary["high"] - summary["low"]
     numbers: dict[str, object] = {
         "sweep_tokens": int(runs["tokens"].iloc[0]),

@@ -50,14 +50,14 @@ def config_grid(
     sketches: Sequence[str],
     *,
     exact_window: int = 0,
-    seed: int = 0,
+    draw: int = 0,
 ) -> dict[tuple, CompressionConfig]:
     """``(variant, method, sketch or None, key bits) -> config`` for every method at every
     bit width; a ``-prod`` method once per QJL sketch (its variant names the sketch when there
     are several)."""
     if isinstance(exact_window, bool) or not isinstance(exact_window, int) or exact_window < 0:
         raise ValueError(f"exact_window must be an int >= 0, got {exact_window!r}")
-    suffix = (f":win{exact_window}" if exact_window else "") + (f":seed={seed}" if seed else "")
+    suffix = (f":win{exact_window}" if exact_window else "") + (f":draw={draw}" if draw else "")
     grid = {}
     for name in methods:
         for sketch in sketches if name.endswith("-prod") else [None]:

@@ -123,8 +123,8 @@ def rotor(bivector: torch.Tensor, angle: torch.Tensor | float) -> torch.Tensor:
     return out
 
 
-def random_rotors(n: int, seed: int) -> torch.Tensor:
-    """``n`` Haar-random rotors as an ``(n, 8)`` float64 tensor, reproducible from ``seed``.
+def random_rotors(n: int, draw: int) -> torch.Tensor:
+    """``n`` Haar-random rotors as an ``(n, 8)`` float64 tensor, reproducible from ``draw``.
 
     A rotor is a unit element of the even subalgebra (a unit quaternion): normalizing a
     4-D standard Gaussian gives the uniform distribution on it, hence a uniformly random
@@ -132,7 +132,7 @@ def random_rotors(n: int, seed: int) -> torch.Tensor:
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    generator = torch.Generator().manual_seed(int(seed))
+    generator = torch.Generator().manual_seed(int(draw))
     even = torch.randn(n, 4, generator=generator, dtype=torch.float64)
     even = even / even.norm(dim=-1, keepdim=True)
     out = torch.zeros(n, 8, dtype=torch.float64)

@@ -52,7 +52,7 @@ METHODS = {
 SKETCHES = ("gaussian", "orthogonal")
 NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-SKETCH_SEED_OFFSET = 1_000_003  # the sketch's random stream is independent of the rotation's
+SKETCH_DRAW_OFFSET = 1_000_003  # the sketch's random stream is independent of the rotation's
 
 
 def mean_abs_coordinate(dim: int) -> float:
@@ -74,19 +74,19 @@ def qjl_gamma(sketch: str, dim: int) -> float:
     raise ValueError(f"qjl_sketch must be one of {SKETCHES}, got {sketch!r}")
 
 
-def make_sketch(kind: str, m: int, dim: int, seed: int) -> torch.Tensor:
+def make_sketch(kind: str, m: int, dim: int, draw: int) -> torch.Tensor:
     """The QJL sketch S ∈ R^{m×dim} (float32).
 
     ``"gaussian"``: i.i.d. N(0, 1) entries. ``"orthogonal"``: rows of independent Haar
     orthogonal ``dim × dim`` blocks (as many as m needs), scaled to length √dim, so rows within
     a block are exactly orthogonal and every row is uniform on the sphere of radius √dim.
     """
-    seed = int(seed) + SKETCH_SEED_OFFSET
+    draw = int(draw) + SKETCH_DRAW_OFFSET
     if kind == "gaussian":
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(draw)
         return torch.randn(m, dim, generator=generator, dtype=torch.float64).float()
     if kind == "orthogonal":
-        blocks = [haar_orthogonal(dim, seed + i) for i in range(math.ceil(m / dim))]
+        blocks = [haar_orthogonal(dim, draw + i) for i in range(math.ceil(m / dim))]
         return (torch.cat(blocks)[:m] * math.sqrt(dim)).float()
     raise ValueError(f"qjl_sketch must be one of {SKETCHES}, got {kind!r}")
 
@@ -157,7 +157,7 @@ class Quantizer:
         d: int,
         bits: int,
         *,
-        seed: int,
+        draw: int,
         rotation: str,
         qjl_sketch: str | None,
         qjl_dim: int | None,
@@ -166,12 +166,12 @@ class Quantizer:
         norm_mantissa_bits: int | None = None,
         trellis_state_bits: int | None = None,
     ):
-        self.method, self.d, self.bits, self.seed = method, d, bits, seed
+        self.method, self.d, self.bits, self.draw = method, d, bits, draw
         self.has_qjl = METHODS[method][1]
         self.mse_bits = bits - 1 if self.has_qjl else bits
         self.norm_dtype = norm_dtype
         self.norm_mantissa_bits = norm_mantissa_bits
-        self.rotation: Rotation = make_rotation(rotation, d, seed)
+        self.rotation: Rotation = make_rotation(rotation, d, draw)
         self.rotated_dim = self.rotation.out_dim
         self.codebook: Codebook | None = (
             lloyd_max(d, self.mse_bits, codebook_law) if self.mse_bits else None
@@ -186,11 +186,11 @@ class Quantizer:
         #: (same bits: one symbol of ``mse_bits`` per coordinate), or ``None``.
         self.trellis: BitshiftTrellis | None = None
         if trellis_state_bits is not None and self.mse_bits:
-            self.trellis = BitshiftTrellis(state_bits=trellis_state_bits, seed=seed)
+            self.trellis = BitshiftTrellis(state_bits=trellis_state_bits, draw=draw)
         self.qjl_sketch = qjl_sketch
         self.qjl_dim = qjl_dim if self.has_qjl else 0
         if self.has_qjl:
-            self.sketch = make_sketch(qjl_sketch, qjl_dim, self.rotated_dim, seed)
+            self.sketch = make_sketch(qjl_sketch, qjl_dim, self.rotated_dim, draw)
             self.qjl_scale = qjl_gamma(qjl_sketch, self.rotated_dim) / qjl_dim
         else:
             self.sketch, self.qjl_scale = None, 0.0
@@ -200,7 +200,7 @@ class Quantizer:
         trellis = f", trellis_state_bits={self.trellis.state_bits}" if self.trellis else ""
         return (
             f"Quantizer({self.method!r}, d={self.d}, bits={self.bits}, "
-            f"rotation={self.rotation.kind!r}{qjl}{trellis}, seed={self.seed})"
+            f"rotation={self.rotation.kind!r}{qjl}{trellis}, draw={self.draw})"
         )
 
     # -- storage ---------------------------------------------------------------------------
@@ -374,7 +374,7 @@ def make_quantizer(
     d: int,
     bits: int,
     *,
-    seed: int = 0,
+    draw: int = 0,
     rotation: str | None = None,
     qjl_sketch: str | None = None,
     qjl_dim: int | None = None,
@@ -391,7 +391,7 @@ def make_quantizer(
         d: vector dimension (>= 2).
         bits: total code bits per coordinate, 1..8; ``-prod`` spends ``bits - 1`` on the MSE
             codes and 1 on the QJL signs (``bits = 1``: QJL alone).
-        seed: seeds the rotation and the sketch.
+        draw: the draw number that fixes the rotation and the sketch.
         rotation: ``"dense"``, ``"hadamard"`` (power-of-two d), ``"rotor"`` or ``"none"``;
             default dense for TurboQuant and rotor for RotorQuant.
         qjl_sketch: ``"gaussian"`` (the paper, default) or ``"orthogonal"`` (the official QJL
@@ -450,7 +450,7 @@ def make_quantizer(
         method,
         d,
         bits,
-        seed=int(seed),
+        draw=int(draw),
         rotation=default_rotation if rotation is None else rotation,
         qjl_sketch=qjl_sketch,
         qjl_dim=qjl_dim,

@@ -1,4 +1,4 @@
-"""Seeded random rotations of R^d, each with ``apply`` and ``inverse``.
+"""Random rotations of R^d, each with ``apply`` and ``inverse``.
 
 - ``"dense"``: a Haar-random orthogonal matrix (QR of a Gaussian matrix with the signs of R's
   diagonal moved into Q, which makes the law exactly Haar). O(d²) per vector.
@@ -25,13 +25,13 @@ from rqlib.core import clifford
 KINDS = ("dense", "hadamard", "rotor", "none")
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(int(seed))
+def _generator(draw: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(draw))
 
 
-def haar_orthogonal(d: int, seed: int) -> torch.Tensor:
-    """A Haar-random ``d × d`` orthogonal matrix (float64), reproducible from ``seed``."""
-    gaussian = torch.randn(d, d, generator=_generator(seed), dtype=torch.float64)
+def haar_orthogonal(d: int, draw: int) -> torch.Tensor:
+    """A Haar-random ``d × d`` orthogonal matrix (float64), reproducible from ``draw``."""
+    gaussian = torch.randn(d, d, generator=_generator(draw), dtype=torch.float64)
     q, r = torch.linalg.qr(gaussian)
     signs = torch.sign(torch.diagonal(r))
     signs[signs == 0] = 1.0
@@ -55,11 +55,12 @@ def fast_walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Rotation:
-    """A seeded rotation: ``apply`` maps ``[..., d]`` to ``[..., out_dim]``, ``inverse`` back."""
+    """A random rotation, fixed by its draw number: ``apply`` maps ``[..., d]`` to
+    ``[..., out_dim]``, ``inverse`` back."""
 
     kind: str
     d: int
-    seed: int
+    draw: int
     out_dim: int
     matrix: torch.Tensor = field(repr=False)  # float32 [out_dim, d]
     signs: torch.Tensor | None = field(default=None, repr=False)  # hadamard
@@ -102,28 +103,28 @@ class Rotation:
         return y @ self.matrix.to(y)
 
 
-def make_rotation(kind: str, d: int, seed: int = 0) -> Rotation:
+def make_rotation(kind: str, d: int, draw: int = 0) -> Rotation:
     """A rotation of R^d of the given ``kind`` (``"dense"``, ``"hadamard"``, ``"rotor"``,
-    ``"none"``), reproducible from ``seed``."""
+    ``"none"``), reproducible from ``draw``."""
     if kind not in KINDS:
         raise ValueError(f"rotation must be one of {KINDS}, got {kind!r}")
     if isinstance(d, bool) or not isinstance(d, int) or d < 2:
         raise ValueError(f"d must be an integer >= 2, got {d!r}")
     if kind == "dense":
-        return Rotation(kind, d, seed, d, haar_orthogonal(d, seed).float())
+        return Rotation(kind, d, draw, d, haar_orthogonal(d, draw).float())
     if kind == "hadamard":
         if d & (d - 1):
             raise ValueError(
                 f"rotation='hadamard' needs a power-of-two d, got d={d}; "
                 "use 'dense' or 'rotor' for other dimensions"
             )
-        signs = torch.randint(0, 2, (d,), generator=_generator(seed)).double() * 2 - 1
+        signs = torch.randint(0, 2, (d,), generator=_generator(draw)).double() * 2 - 1
         matrix = fast_walsh_hadamard(torch.diag(signs)).T / math.sqrt(d)
-        return Rotation(kind, d, seed, d, matrix.float(), signs=signs.float())
+        return Rotation(kind, d, draw, d, matrix.float(), signs=signs.float())
     if kind == "rotor":
         groups = math.ceil(d / 3)
-        rotors = clifford.random_rotors(groups, seed)
+        rotors = clifford.random_rotors(groups, draw)
         blocks = clifford.rotor_matrix(rotors)  # (groups, 3, 3)
         matrix = torch.block_diag(*blocks)[:, :d]
-        return Rotation(kind, d, seed, 3 * groups, matrix.float(), rotors=rotors)
-    return Rotation(kind, d, seed, d, torch.eye(d))
+        return Rotation(kind, d, draw, 3 * groups, matrix.float(), rotors=rotors)
+    return Rotation(kind, d, draw, d, torch.eye(d))

@@ -13,8 +13,8 @@ is found exactly. Steps may differ in width (one ``k`` per sample): a shift of `
 The register starts at 0, so no bits beyond ``k n`` are stored; the first
 ``ceil((L - k) / k)`` samples see fewer table values, which the measured distortion includes.
 
-The table holds the ``2^L`` quantiles of a unit Gaussian in a fixed pseudo-random order (seeded),
-so that the values reachable from any state look like independent Gaussian draws.
+The table holds the ``2^L`` quantiles of a unit Gaussian in a pseudo-random order fixed by a draw
+number, so that the values reachable from any state look like independent Gaussian draws.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ ENCODE_CHUNK = 4096
 
 
 @functools.cache
-def _table(state_bits: int, seed: int) -> torch.Tensor:
+def _table(state_bits: int, draw: int) -> torch.Tensor:
     levels = 1 << state_bits
     probabilities = (torch.arange(levels, dtype=torch.float64) + 0.5) / levels
     values = torch.special.ndtri(probabilities)
     values = values / values.pow(2).mean().sqrt()  # exactly unit variance
-    order = torch.randperm(levels, generator=torch.Generator().manual_seed(seed))
+    order = torch.randperm(levels, generator=torch.Generator().manual_seed(draw))
     return values[order]
 
 
@@ -47,7 +47,7 @@ class BitshiftTrellis:
     Symbols of ``k`` bits need ``1 <= k < L``; ``k`` may change from step to step."""
 
     state_bits: int = 10
-    seed: int = 0
+    draw: int = 0
 
     def __post_init__(self) -> None:
         if not 2 <= self.state_bits <= 16:
@@ -55,7 +55,7 @@ class BitshiftTrellis:
 
     @property
     def table(self) -> torch.Tensor:
-        return _table(self.state_bits, self.seed)
+        return _table(self.state_bits, self.draw)
 
     def _steps(self, bits, length: int) -> list[int]:
         """The bits of each of ``length`` steps (``bits``: one int, or one per step)."""

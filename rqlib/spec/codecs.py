@@ -6,11 +6,11 @@ the recent band's keys and values) and :func:`codec_plan` which quantizers make 
 rest; with ``kxf``/``vxf``, :func:`transform_plan`: one per bit width of the groups of
 calibrated components). The cache builder (:func:`rqlib.hf.integration.build_cache`) turns
 these plans into codecs; the bit accounting (:mod:`rqlib.spec.bits`) sums their
-``bits_per_vector``. Both therefore count and build the same quantizers, with the same seeds.
+``bits_per_vector``. Both therefore count and build the same quantizers, with the same draws.
 
-Seeds: layer ``l`` of a config with ``seed=s`` draws its rotations and sketches from
-``s * 1_000_000 + 10 * l`` plus an offset per codec (:data:`SEED_OFFSETS`); part ``j`` of a
-transform codec adds ``j * PART_SEED_STEP``.
+Draws: layer ``l`` of a config with ``draw=s`` draws its rotations and sketches from
+``s * 1_000_000 + 10 * l`` plus an offset per codec (:data:`DRAW_OFFSETS`); part ``j`` of a
+transform codec adds ``j * PART_DRAW_STEP``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from rqlib.core.quantizers import Quantizer, make_quantizer
 
 __all__ = [
-    "SEED_OFFSETS",
+    "DRAW_OFFSETS",
     "TRANSFORM_GROUP",
     "CodecPlan",
     "LayerPlan",
@@ -29,20 +29,20 @@ __all__ = [
     "QuantizerOptions",
     "codec_plan",
     "layer_plan",
-    "layer_seed",
+    "layer_draw",
 ]
 
-#: Offsets added to a layer's seed for each codec (and for the outlier part of a codec).
-SEED_OFFSETS = {"key": 0, "value": 1, "outliers": 2, "key_band": 3, "value_band": 4}
+#: Offsets added to a layer's draw for each codec (and for the outlier part of a codec).
+DRAW_OFFSETS = {"key": 0, "value": 1, "outliers": 2, "key_band": 3, "value_band": 4}
 #: Components per group of one bit width in a calibrated transform codec (``kxf``, ``vxf``).
 TRANSFORM_GROUP = 16
-#: Seed step between the parts of a transform codec (above any layer's ``10 * layer + offset``).
-PART_SEED_STEP = 100_000
+#: Draw step between the parts of a transform codec (above any layer's ``10 * layer + offset``).
+PART_DRAW_STEP = 100_000
 
 
 @dataclass(frozen=True)
 class QuantizerOptions:
-    """The quantizer settings a config fixes for every codec (all but method, size and seed)."""
+    """The quantizer settings a config fixes for every codec (all but method, size and draw)."""
 
     rotation: str | None
     qjl_sketch: str | None
@@ -68,20 +68,20 @@ class QuantizerOptions:
 
 @dataclass(frozen=True)
 class PartPlan:
-    """One quantizer of a codec: ``dim`` channels at ``bits`` bits, drawn from ``seed``."""
+    """One quantizer of a codec: ``dim`` channels at ``bits`` bits, drawn from ``draw``."""
 
     dim: int
     bits: int
-    seed: int
+    draw: int
 
 
 @functools.cache
-def _quantizer(method: str, dim: int, bits: int, seed: int, options: QuantizerOptions):
+def _quantizer(method: str, dim: int, bits: int, draw: int, options: QuantizerOptions):
     return make_quantizer(
         method,
         dim,
         bits,
-        seed=seed,
+        draw=draw,
         rotation=options.rotation,
         qjl_sketch=options.qjl_sketch,
         qjl_dim=options.qjl_dim,
@@ -122,15 +122,15 @@ class CodecPlan:
         ]
 
     def quantizers(self) -> tuple[Quantizer, ...]:
-        """The quantizers, built from their seeds (memoized: equal plans share them)."""
+        """The quantizers, built from their draws (memoized: equal plans share them)."""
         return tuple(
-            _quantizer(self.method, p.dim, p.bits, p.seed, self.options) for p in self.parts
+            _quantizer(self.method, p.dim, p.bits, p.draw, self.options) for p in self.parts
         )
 
     @property
     def bits_per_vector(self) -> int:
         """Stored bits per (token, KV head): codes, norms, QJL signs and residual norms (the
-        count does not depend on the seeds)."""
+        count does not depend on the draws)."""
         return sum(
             _quantizer(self.method, p.dim, p.bits, 0, self.options).bits_per_vector
             for p in self.parts
@@ -152,9 +152,9 @@ class LayerPlan:
     value_band: CodecPlan | None = None
 
 
-def layer_seed(config, layer: int) -> int:
-    """The base seed of ``layer``'s codecs."""
-    return config.seed * 1_000_000 + layer * 10
+def layer_draw(config, layer: int) -> int:
+    """The base draw of ``layer``'s codecs."""
+    return config.draw * 1_000_000 + layer * 10
 
 
 def _widths(groups: tuple[int, ...]) -> list[int]:
@@ -162,7 +162,7 @@ def _widths(groups: tuple[int, ...]) -> list[int]:
 
 
 def transform_plan(
-    config, method: str, bits: int, head_dim: int, seed: int, groups: tuple[int, ...]
+    config, method: str, bits: int, head_dim: int, draw: int, groups: tuple[int, ...]
 ) -> CodecPlan:
     """The parts of a transform codec whose groups have widths ``groups``."""
     if head_dim != TRANSFORM_GROUP * len(groups):
@@ -172,7 +172,7 @@ def transform_plan(
         )
     options = QuantizerOptions.of(config, method)
     parts = tuple(
-        PartPlan(TRANSFORM_GROUP * groups.count(width), width, seed + index * PART_SEED_STEP)
+        PartPlan(TRANSFORM_GROUP * groups.count(width), width, draw + index * PART_DRAW_STEP)
         for index, width in enumerate(_widths(groups))
     )
     return CodecPlan(method, bits, 0, parts, options, groups)
@@ -194,7 +194,7 @@ def codec_plan(
     method: str,
     bits: int,
     head_dim: int,
-    seed: int = 0,
+    draw: int = 0,
     outliers: int = 0,
     trellis: bool = True,
 ) -> CodecPlan:
@@ -202,12 +202,12 @@ def codec_plan(
     (``trellis=False``: the Lloyd-Max code even under ``tcq``, for the recent band)."""
     options = QuantizerOptions.of(config, method, trellis)
     if outliers == 0:
-        return CodecPlan(method, bits, 0, (PartPlan(head_dim, bits, seed),), options)
+        return CodecPlan(method, bits, 0, (PartPlan(head_dim, bits, draw),), options)
     if not 0 < outliers < head_dim:
         raise ValueError(f"outlier channel count {outliers} must be in 1..{head_dim - 1}")
     parts = (
-        PartPlan(outliers, bits + config.outlier_extra_bits, seed + SEED_OFFSETS["outliers"]),
-        PartPlan(head_dim - outliers, bits, seed),
+        PartPlan(outliers, bits + config.outlier_extra_bits, draw + DRAW_OFFSETS["outliers"]),
+        PartPlan(head_dim - outliers, bits, draw),
     )
     return CodecPlan(method, bits, outliers, parts, options)
 
@@ -221,20 +221,20 @@ def layer_plan(config, layer: int, n_layers: int, head_dim: int) -> LayerPlan:
         )
     if layer in config.exact_layer_set(n_layers):
         return LayerPlan(exact=True)
-    seed = layer_seed(config, layer)
-    key_bits, key_seed = config.key_bits_of(layer), seed + SEED_OFFSETS["key"]
+    draw = layer_draw(config, layer)
+    key_bits, key_draw = config.key_bits_of(layer), draw + DRAW_OFFSETS["key"]
     if config.transform_keys:
         groups = _groups_of(config, layer, "k")
-        key = transform_plan(config, config.method, key_bits, head_dim, key_seed, groups)
+        key = transform_plan(config, config.method, key_bits, head_dim, key_draw, groups)
     else:
-        key = codec_plan(config, config.method, key_bits, head_dim, key_seed, config.key_outliers)
+        key = codec_plan(config, config.method, key_bits, head_dim, key_draw, config.key_outliers)
     value_bits = config.value_bits_of(layer)
     value = None
     if value_bits is not None and config.transform_values:
         groups = _groups_of(config, layer, "v")
-        value_seed = seed + SEED_OFFSETS["value"]
+        value_draw = draw + DRAW_OFFSETS["value"]
         value = transform_plan(
-            config, config.value_method, value_bits, head_dim, value_seed, groups
+            config, config.value_method, value_bits, head_dim, value_draw, groups
         )
     elif value_bits is not None:
         value = codec_plan(
@@ -242,7 +242,7 @@ def layer_plan(config, layer: int, n_layers: int, head_dim: int) -> LayerPlan:
             config.value_method,
             value_bits,
             head_dim,
-            seed + SEED_OFFSETS["value"],
+            draw + DRAW_OFFSETS["value"],
             config.value_outliers,
         )
     key_band = value_band = None
@@ -252,7 +252,7 @@ def layer_plan(config, layer: int, n_layers: int, head_dim: int) -> LayerPlan:
             config.value_method,
             config.band_bits,
             head_dim,
-            seed + SEED_OFFSETS["key_band"],
+            draw + DRAW_OFFSETS["key_band"],
             trellis=False,
         )
         if value is not None:
@@ -261,7 +261,7 @@ def layer_plan(config, layer: int, n_layers: int, head_dim: int) -> LayerPlan:
                 config.value_method,
                 config.band_bits,
                 head_dim,
-                seed + SEED_OFFSETS["value_band"],
+                draw + DRAW_OFFSETS["value_band"],
                 trellis=False,
             )
     return LayerPlan(False, key, value, key_band, value_band)

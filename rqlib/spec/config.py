@@ -43,7 +43,7 @@ override it). TOKENs (``name=value`` or the short form):
                        (:mod:`rqlib.core.trellis`); the torch path only, refused on CUDA
 ``nm=6``               norms (and norm-corrected scales) rounded to 6 mantissa bits: 11 bits
                        each (sign-free e5m6) instead of 16
-``seed=7``             seed of rotations and sketches
+``draw=7``             which draw of the random rotations and sketches (default 0)
 ``calib=pydoc``        calibration corpus; ``ctok=2048`` its number of tokens
 ``clen=4096``          calibration chunks of N tokens (default 1024): the positions the
                        calibrated statistics see (a transform of keys after RoPE needs the
@@ -103,7 +103,7 @@ LIMITS = {
     "key_outliers": 1024,  # also checked against head_dim when the cache is built
     "value_outliers": 1024,
     "qjl_dim": 1 << 16,
-    "seed": (1 << 32) - 1,  # rotations draw from seed * 1e6 + 10 * layer: must fit in 64 bits
+    "draw": (1 << 32) - 1,  # rotations draw from draw * 1e6 + 10 * layer: must fit in 64 bits
     "calibration_tokens": 1 << 24,
     "calibration_chunk": 1 << 20,
 }
@@ -176,7 +176,7 @@ class CompressionConfig:
     value_outliers: int = 0
     outlier_extra_bits: int = 1
     norm_correction: bool = False
-    seed: int = 0
+    draw: int = 0
     calibration_corpus: str = "pydoc"
     calibration_tokens: int = 2048
     calibration_chunk: int = 1024
@@ -239,7 +239,7 @@ class CompressionConfig:
                 raise ConfigFieldError(
                     "norm_mantissa", f"norm_mantissa must be in 1..10, got {self.norm_mantissa!r}"
                 )
-        for name in ("n_sink", "recent_window", "key_outliers", "value_outliers", "seed"):
+        for name in ("n_sink", "recent_window", "key_outliers", "value_outliers", "draw"):
             _check_count(name, getattr(self, name))
         if self.band_bits is not None:
             _check_bits("band_bits", self.band_bits, allow_none=False)
@@ -619,8 +619,8 @@ class CompressionConfig:
             tokens.append("tcq" if state == TRELLIS_STATE_BITS else f"tcq={state}")
         if self.norm_mantissa is not None:
             tokens.append(f"nm={self.norm_mantissa}")
-        if self.seed != default.seed:
-            tokens.append(f"seed={self.seed}")
+        if self.draw != default.draw:
+            tokens.append(f"draw={self.draw}")
         if self.calibration_corpus != default.calibration_corpus:
             tokens.append(f"calib={self.calibration_corpus}")
         if self.calibration_tokens != default.calibration_tokens:
@@ -675,7 +675,7 @@ _KEYED = {
     "law": "codebook_law",
     "tcq": "trellis_state_bits",
     "nm": "norm_mantissa",
-    "seed": "seed",
+    "draw": "draw",
     "calib": "calibration_corpus",
     "ctok": "calibration_tokens",
     "clen": "calibration_chunk",
@@ -691,7 +691,7 @@ _INT_FIELDS = {
     "value_outliers",
     "outlier_extra_bits",
     "qjl_dim",
-    "seed",
+    "draw",
     "calibration_tokens",
     "calibration_chunk",
 }
@@ -754,7 +754,7 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
         "keys and values coded by a bitshift trellis of 10 (12) state bits instead of the "
         "Lloyd-Max code, same bits (torch path; refused on CUDA)",
     ),
-    "seed": ("seed=0", "the seed of the random rotations and sketches"),
+    "draw": ("draw=0", "which draw of the random rotations and sketches (an integer, default 0)"),
     "calib": ("calib=pydoc", "the corpus calibrations are measured on"),
     "ctok": ("ctok=2048", "the number of calibration tokens"),
     "clen": (

@@ -193,13 +193,13 @@ def _weighted_error(x, x_hat, mean, metric) -> float:
     )
 
 
-def _rotation_code(x, mean, bits: int, seed: int, trellis: BitshiftTrellis | None):
+def _rotation_code(x, mean, bits: int, draw: int, trellis: BitshiftTrellis | None):
     """Today's code as the cache runs it, on ``x`` ``[N, d]``: TurboQuant MSE after subtracting
     ``mean`` (``ctr``), with the least-squares norm (``nc``), through the cache's own codec; with
     a ``trellis``, its state bits code the rotated coordinates (``tcq``)."""
     d = x.shape[-1]
     state_bits = None if trellis is None else trellis.state_bits
-    quantizer = make_quantizer("turboquant-mse", d, bits, seed=seed, trellis_state_bits=state_bits)
+    quantizer = make_quantizer("turboquant-mse", d, bits, draw=draw, trellis_state_bits=state_bits)
     codec = VectorCodec(
         [ChannelPart(quantizer, None)], d, mean=mean.float()[None], norm_correction=True
     )
@@ -230,7 +230,7 @@ def measure_head(
     bits: list[int],
     rates: list[float],
     trellis: BitshiftTrellis,
-    seed: int = 0,
+    draw: int = 0,
 ) -> dict:
     """Spectrum, bounds and the measured codes of one KV head's ``kind`` (keys or values).
 
@@ -262,7 +262,7 @@ def measure_head(
         for b in bits:
             if name.startswith("rotation"):
                 use = trellis if name.endswith("trellis") else None
-                x_hat = _rotation_code(x, mean, b, seed, use)
+                x_hat = _rotation_code(x, mean, b, draw, use)
             else:
                 quantizer = trellis if name.endswith("trellis") else "lloyd-max"
                 code = TransformCode.fit(x_cal, metric_cal, b, GROUP_SIZE, quantizer)
@@ -290,7 +290,7 @@ def measure_model(
     eval_start: int = 100_000,
     eval_tokens: int = 1024,
     state_bits: int = 10,
-    seed: int = 0,
+    draw: int = 0,
     progress: bool = True,
 ) -> list[dict]:
     """:func:`measure_head` for the keys and values of every KV head of ``layers`` (default:
@@ -300,7 +300,7 @@ def measure_model(
 
     layers = _chosen_layers(calibration, layers, eval_corpus)
     held_out = capture(model, tokenizer, eval_corpus, eval_tokens, layers, start=eval_start)
-    trellis = BitshiftTrellis(state_bits=state_bits, seed=seed)
+    trellis = BitshiftTrellis(state_bits=state_bits, draw=draw)
     jobs = [
         (layer, head, kind)
         for layer in layers
@@ -310,7 +310,7 @@ def measure_model(
     records = []
     for layer, head, kind in tqdm(jobs, desc="rate-distortion", unit="head", disable=not progress):
         result = measure_head(
-            calibration[layer][head], held_out[layer][head], kind, bits, rates, trellis, seed
+            calibration[layer][head], held_out[layer][head], kind, bits, rates, trellis, draw
         )
         records.append({"layer": layer, "head": head, "kind": kind, **result})
     return records
@@ -344,13 +344,13 @@ def _roundtrip_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _code_functions(name: str, bits: int, calibration: HeadData, kind: str, trellis, seed: int):
+def _code_functions(name: str, bits: int, calibration: HeadData, kind: str, trellis, draw: int):
     """The encode-and-decode function of one code for one head, fitted on ``calibration``."""
     x_cal = calibration.vectors(kind)
     if name.startswith("rotation"):
         mean = x_cal.mean(0) if kind == "keys" else torch.zeros(x_cal.shape[-1])
         use = trellis if name.endswith("trellis") else None
-        return lambda x: _rotation_code(x.double(), mean, bits, seed, use)
+        return lambda x: _rotation_code(x.double(), mean, bits, draw, use)
     quantizer = trellis if name.endswith("trellis") else "lloyd-max"
     code = TransformCode.fit(x_cal, calibration.metric(kind), bits, GROUP_SIZE, quantizer)
     return code.roundtrip
@@ -370,7 +370,7 @@ def model_effect(
     eval_tokens: int = 2048,
     window: int = 1024,
     state_bits: int = 10,
-    seed: int = 0,
+    draw: int = 0,
     progress: bool = True,
 ) -> list[dict]:
     """KL divergence and perplexity change of the model with ``kinds`` of ``layers`` (default
@@ -397,7 +397,7 @@ def model_effect(
     spans = windows(len(ids), window)
     weights = torch.tensor([end - begin - 1 for begin, end, _ in spans], dtype=torch.float64)
     device = next(model.parameters()).device
-    trellis = BitshiftTrellis(state_bits=state_bits, seed=seed)
+    trellis = BitshiftTrellis(state_bits=state_bits, draw=draw)
     AttentionInterface.register(ROUNDTRIP_NAME, _roundtrip_attention)
     AttentionMaskInterface.register(ROUNDTRIP_NAME, sdpa_mask)
 
@@ -418,7 +418,7 @@ def model_effect(
             table = {
                 layer: tuple(
                     [
-                        _code_functions(name, b, head, kind, trellis, seed)
+                        _code_functions(name, b, head, kind, trellis, draw)
                         for head in calibration[layer]
                     ]
                     if kind in kinds

@@ -128,7 +128,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 # ---- 1. correctness --------------------------------------------------------------------------
 def correctness(
-    device: str = "cuda", seed: int = 0, presets=tuple(PRESETS), batch: int = 3, prompt: int = 77
+    device: str = "cuda", draw: int = 0, presets=tuple(PRESETS), batch: int = 3, prompt: int = 77
 ) -> dict:
     """Every kernel against the torch path, per preset, on each distinct layer format of the
     preset resolved for the tiny Llama: a left-padded batch of ``batch`` with a prompt of
@@ -139,9 +139,9 @@ def correctness(
 
     results, ok = {}, True
     for name in presets:
-        model = tiny.tiny_model("llama", seed).to(device)
+        model = tiny.tiny_model("llama", draw).to(device)
         config = tiny.preset_config(name, model)
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(draw)
         ids = torch.randint(1, tiny.VOCAB, (batch, prompt + 1), generator=generator).to(device)
         mask = torch.ones_like(ids)
         mask[-1, :5] = 0
@@ -204,7 +204,7 @@ def correctness(
 
 # ---- 2. generate -----------------------------------------------------------------------------
 def generate_equivalence(
-    device: str = "cuda", seed: int = 0, new_tokens: int = 12, kinds=tiny.KINDS, presets=None
+    device: str = "cuda", draw: int = 0, new_tokens: int = 12, kinds=tiny.KINDS, presets=None
 ) -> dict:
     """``generate()`` through the kernels and through the torch path, greedy, on each tiny
     model with each preset: whether the tokens are the same, and the largest logit gap."""
@@ -214,9 +214,9 @@ def generate_equivalence(
     rows, ok = [], True
     for kind in kinds:
         for name in presets:
-            model = tiny.tiny_model(kind, seed).to(device)
+            model = tiny.tiny_model(kind, draw).to(device)
             config = tiny.preset_config(name, model)
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator().manual_seed(draw)
             ids = torch.randint(1, tiny.VOCAB, (2, 20), generator=generator).to(device)
             outputs = {}
             for backend in ("triton", "torch"):

@@ -37,11 +37,11 @@ class ByteTokenizer:
 KINDS = ("llama", "gemma3", "qwen2")
 
 
-def tiny_model(kind: str, seed: int) -> torch.nn.Module:
+def tiny_model(kind: str, draw: int) -> torch.nn.Module:
     """A small random model with head_dim 64 (a head dim the kernels serve), eval mode."""
     if kind not in KINDS:
         raise ValueError(f"no tiny model {kind!r}; the kinds are {', '.join(KINDS)}")
-    torch.manual_seed(seed)
+    torch.manual_seed(draw)
     common = dict(vocab_size=VOCAB, intermediate_size=64, max_position_embeddings=128)
     if kind == "llama":
         config = LlamaConfig(
