@@ -3,8 +3,9 @@ glossary's word), never a seed: the command line's help, the spec language, the 
 fields, and the committed results (file names, keys, recorded commands). The book's pages are
 held to the same words by ``test_notebooks.test_no_history_words_in_the_book``."""
 
-import argparse
+import contextlib
 import dataclasses
+import io
 import subprocess
 from pathlib import Path
 
@@ -19,12 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def command_helps() -> dict[str, str]:
-    """``python -m rqlib``'s description and every command's ``--help`` text."""
-    helps = {"python -m rqlib --help": cli.__doc__ or ""}
-    for name, (add_arguments, _run, help_text) in cli.COMMANDS.items():
-        parser = argparse.ArgumentParser(prog=f"python -m rqlib {name}", description=help_text)
-        add_arguments(parser)
-        helps[f"python -m rqlib {name} --help"] = parser.format_help()
+    """What ``python -m rqlib --help`` and every ``python -m rqlib COMMAND --help`` print."""
+    helps = {}
+    for argv in (["--help"], *([name, "--help"] for name in cli.COMMANDS)):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 0, argv
+        helps["python -m rqlib " + " ".join(argv)] = printed.getvalue()
     return helps
 
 
