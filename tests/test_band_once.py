@@ -9,7 +9,8 @@ the band, coded from the band's copy of it.
   were.
 - The bit accounting counts the codes of ``context - W`` tokens, the allocation spends the
   bits this frees, and the cache's stored bytes are what the accounting promises.
-- An explicit (non-causal) mask and a spec without a band are refused, naming ``once``.
+- An explicit (non-causal) mask and a spec without a band are refused, naming ``once``;
+  ``twice`` undoes a preset's ``once``, needs a band too, and cannot be given with ``once``.
 
 Every comparison is exact, or fp32 against a float64 loop at the tolerance of
 ``tests/test_hf.py``'s definition test (both sides round the norms to fp16 identically).
@@ -162,3 +163,17 @@ def test_once_needs_a_band():
         CompressionConfig.parse("turboquant-mse:k3:v3:once")
     config = CompressionConfig.parse("turboquant-mse:k3:v3:win8:wb=8:once")
     assert config.band_once and CompressionConfig.parse(config.spec()) == config
+
+
+def test_twice_undoes_a_presets_once_and_needs_a_band(monkeypatch):
+    from rqlib.spec import presets
+
+    monkeypatch.setitem(presets.PRESETS, "rq-3", presets.PRESETS["rq-3"] + ":once")
+    stored_once = CompressionConfig.parse("preset:rq-3")
+    twice = CompressionConfig.parse("preset:rq-3:twice")
+    assert stored_once.band_once and not twice.band_once
+    assert twice == stored_once.replace(band_once=False, name="preset:rq-3:twice")
+    with pytest.raises(ValueError, match="'twice'.*needs winN"):
+        CompressionConfig.parse("turboquant-mse:k3:v3:twice")
+    with pytest.raises(ValueError, match="'twice'.*already set by 'once'"):
+        CompressionConfig.parse("turboquant-mse:k3:v3:win8:once:twice")

@@ -38,7 +38,7 @@ def test_every_form_of_the_legend_parses(name):
         base = {"k": "turboquant-mse", "b": "turboquant-mse", "v": "turboquant-mse:k3"}.get(
             name, "turboquant-prod:b3" if name in ("qjl", "m") else "turboquant-mse:b3"
         )
-        if name in ("wb", "once"):  # a band's precision or storage needs a band
+        if name in ("wb", "once", "twice"):  # a band's precision or storage needs a band
             base += ":win64"
         if name == "group bits":  # the widths of the groups of the transforms
             base += ":kxf:vxf"

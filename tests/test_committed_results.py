@@ -1,6 +1,7 @@
 """What is committed under results/ (and the shipped allocation tables) says nothing about the
-machine it was made on, the chapter sweeps hold no run from a dirty tree, and chapter 5's sweep
-draws every setting more than once."""
+machine it was made on, every run of rqlib's caches is what its label resolves to today (so a
+changed preset or token cannot leave old numbers under its name), the chapter sweeps hold no
+run from a dirty tree, and chapter 5's sweep draws every setting more than once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from rqlib.base.paths import CHECKOUT
 from rqlib.book.draws import repeated_draws
+from rqlib.book.labels import label_mismatches
 from rqlib.book.results import collect
 
 MACHINE_PATH = re.compile(r'"(/(?:work|home|root|tmp|Users|mnt|var)/[^"]*)"')
@@ -37,6 +39,40 @@ def test_committed_results_name_no_machine_path():
         if match
     }
     assert not found, f"absolute machine paths in committed results: {found}"
+
+
+def test_every_committed_run_is_what_its_label_says_today():
+    chapter_sweep = re.compile(r"\d\d_")  # results/<chapter>/: a sweep's runs, no labels
+    paths = [p for p in tracked("results/*.json") if not chapter_sweep.match(p.parent.name)]
+    assert paths, "no committed results found"
+    problems = [line for path in paths for line in label_mismatches(path)]
+    assert not problems, "committed runs whose label now gives another config (rerun them):\n" + (
+        "\n".join(problems)
+    )
+
+
+def test_a_run_its_label_no_longer_gives_is_named(monkeypatch, tmp_path):
+    """The check above can fail: with rq-3 storing its band once, the committed run of
+    ``preset:rq-3`` is named, and so is a run whose recorded per-layer bits are not the
+    allocation of its budget."""
+    from rqlib.spec import presets
+
+    path = CHECKOUT / "results" / "headline" / "smollm2-prefill-w1024.json"
+    assert label_mismatches(path) == []
+    with monkeypatch.context() as patched:
+        patched.setitem(presets.PRESETS, "rq-3", presets.PRESETS["rq-3"] + ":once")
+        (line,) = label_mismatches(path)
+    assert line.startswith(f"{path.name}: preset:rq-3: ")
+    assert "band_once is False, the label gives True" in line
+
+    payload = json.loads(path.read_text())
+    (run,) = [r for r in payload["results"] if r["label"] == "preset:rq-3.5"]
+    layer, bits = run["config"]["layer_key_bits"][0]
+    run["config"]["layer_key_bits"][0] = [layer, bits + 1]
+    changed = tmp_path / path.name
+    changed.write_text(json.dumps(payload))
+    (line,) = label_mismatches(changed)
+    assert line.startswith(f"{path.name}: preset:rq-3.5: layer_key_bits is ")
 
 
 def test_committed_sweeps_hold_no_run_from_a_dirty_tree():

@@ -40,6 +40,7 @@ CHAPTER_INPUTS: dict[str, tuple[str, ...]] = {
     "06_bound": (
         "eval-band-bits-*.json",
         "eval-band-once-*.json",
+        "eval-band-twice-once-*.json",
         "eval-other-cpu-*.json",
         "eval-trellis-*.json",
         "eval-transform-*.json",

@@ -392,7 +392,9 @@ def load_headline(path: Path | str) -> pd.DataFrame:
     table): one row per method, the uncompressed model (``fp``) first.
 
     Columns: ``method`` (its label), ``kind`` (``fp``; ``rqlib``; ``peer``; ``control``, the
-    exact cache fed like the others, ``hf-dynamic``), ``bits_key``,
+    exact cache fed like the others, ``hf-dynamic``), ``spec`` (for rqlib's caches the compact
+    spec of the config it ran, whatever its label: two runs of equal storage have equal specs;
+    the label for the others), ``bits_key``,
     ``bits_value``, ``bits_mean``, ``bytes_per_token``, ``perplexity``, ``delta_ppl_pct``,
     ``kl``, ``top1``, ``n_scored``, ``seconds``, ``seconds_per_token``, ``decoded_copy``
     (whether the steps read a decoded copy of the codes); and the run's fields
@@ -413,6 +415,7 @@ def load_headline(path: Path | str) -> pd.DataFrame:
             {
                 "method": result["label"],
                 "kind": _headline_kind(config),
+                "spec": _run_spec(result["label"], config),
                 "bits_key": result["bits"]["key"],
                 "bits_value": result["bits"]["value"],
                 "bits_mean": result["bits"]["mean"],
@@ -432,6 +435,16 @@ def load_headline(path: Path | str) -> pd.DataFrame:
         frame[key] = payload[key]
     frame["corpus_sha256"] = payload["corpus"]["sha256"]
     return frame
+
+
+def _run_spec(label: str, config: dict | None) -> str:
+    """The storage a run measured: its config's compact spec for rqlib's caches, else its
+    label (the uncompressed model, a peer)."""
+    if config is None or "peer" in config:
+        return label
+    from rqlib.spec.config import CompressionConfig
+
+    return CompressionConfig.from_dict(config).spec()
 
 
 def _headline_kind(config: dict | None) -> str:

@@ -21,6 +21,9 @@ override it). TOKENs (``name=value`` or the short form):
 ``once``               the recent band stored once: a token gets its main codes when it leaves
                        the band, coded from what the band stores, so that the W newest tokens
                        are stored in the band only (needs ``winN``; a causal mask)
+``twice``              the recent band stored twice: every token gets its main codes when it
+                       arrives and keeps them while it is also in the band (the default of a
+                       method; after a preset that stores its band once, it undoes ``once``)
 ``exact=0,-1``         layers kept exact (negative counts from the end); ``exact=none``
 ``ctr``                per-layer, per-KV-head key centering with a mean calibrated on pydoc
 ``kxf`` / ``vxf``      keys / values through a calibrated transform per layer and KV head (the
@@ -563,9 +566,12 @@ class CompressionConfig:
         changes["value_group_bits"] = tuple(sorted(tokens_read.groups["v"].items()))
         changes["name"] = spec.strip()
         try:
-            return base.replace(**changes) if base is not None else cls(**changes)
+            config = base.replace(**changes) if base is not None else cls(**changes)
         except ConfigFieldError as error:
             raise tokens_read.named(error) from None
+        if tokens_read.origin.get("band_once") == "twice" and not config.recent_window:
+            raise ValueError(f"token 'twice' in spec {spec!r}: a band stored twice needs winN")
+        return config
 
     def spec(self) -> str:
         """The canonical compact spec of this config (parses back to an equal config)."""
@@ -659,6 +665,7 @@ _FLAGS = {
     "kxf": ("transform_keys", True),
     "vxf": ("transform_values", True),
     "once": ("band_once", True),
+    "twice": ("band_once", False),
 }
 _KEYED = {
     "k": "key_bits",
@@ -715,6 +722,11 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
         "once",
         "the recent band stored once: a token's main codes are written when it leaves the band, "
         "from the band's copy (the W newest tokens cost the band's bits only)",
+    ),
+    "twice": (
+        "twice",
+        "the recent band stored twice: a token's main codes are written when it arrives and "
+        "kept while it is in the band too (the default; after a preset, undoes its once)",
     ),
     "ctr": ("ctr", "per-head key centering, its mean calibrated on pydoc (never the eval text)"),
     "kxf": (
