@@ -38,13 +38,7 @@ CHAPTER_INPUTS: dict[str, tuple[str, ...]] = {
     "04_perplexity": ("*.json", "headline/*.json", "04_perplexity/*.json"),
     "05_sweeps": ("04_perplexity/*.json", "04_perplexity/*.parquet", "cluster-sweep/*.txt"),
     "06_bound": (
-        "eval-band-bits-*.json",
-        "eval-band-once-*.json",
-        "eval-band-twice-once-*.json",
-        "eval-other-cpu-*.json",
-        "eval-trellis-*.json",
-        "eval-transform-*.json",
-        "eval-window-*.json",
+        "eval-*.json",  # its runs, and every earlier run a run of the band stored once repeats
         "headline/*.json",
     ),
 }
