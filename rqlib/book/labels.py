@@ -17,7 +17,6 @@ the per-layer bits and widths are not derived again; every other field is compar
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 
 from rqlib.spec.config import CompressionConfig
@@ -30,19 +29,11 @@ _ALLOCATED = ("key_bits", "value_bits", "layer_key_bits", "layer_value_bits", "b
 _GROUPS = ("key_group_bits", "value_group_bits")
 
 
-@cache
-def _model_config(model: str):
-    from transformers import AutoConfig
-
-    from rqlib.hf.models import converted_model_dir
-
-    return AutoConfig.from_pretrained(converted_model_dir(model))
-
-
 def _resolved(
     label: str, model: str, context: int | None
 ) -> tuple[CompressionConfig, tuple[str, ...]]:
     """``label`` resolved as the eval command resolves it, and the fields left unresolved."""
+    from rqlib.book.loaders import packaged_config
     from rqlib.study.allocation import allocate, shipped_sensitivity
 
     config = CompressionConfig.parse(label)
@@ -57,7 +48,7 @@ def _resolved(
         except FileNotFoundError:
             unresolved += _ALLOCATED
         else:
-            config = allocate(table, config, _model_config(model), context)
+            config = allocate(table, config, packaged_config(model), context)
     return config, unresolved
 
 

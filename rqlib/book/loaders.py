@@ -42,6 +42,7 @@ __all__ = [
     "preset_verdict",
     "recorded_command",
     "draw_spread",
+    "packaged_config",
     "shipped_allocation",
     "sweep_command",
     "sweep_draws",
@@ -346,18 +347,25 @@ def preset_evidence(name: str, model: str = "smollm2-135m", directory: Path | No
     raise KeyError(f"{path} has no row for preset {name!r}")
 
 
+@functools.cache
+def packaged_config(model: str):
+    """The transformers config (the geometry the bit accounting needs) of packaged model
+    ``model``, read from its converted folder without loading the weights."""
+    from transformers import AutoConfig
+
+    from rqlib.hf.models import converted_model_dir
+
+    return AutoConfig.from_pretrained(converted_model_dir(model))
+
+
 def shipped_allocation(model: str, preset: str):
     """``(sensitivity table, transformers config)`` for preset ``preset`` on packaged model
     ``model``: the table shipped in ``rqlib/study/allocations/`` for the preset's storage format,
     from which it allocates the model's bits, and the model's config (its geometry)."""
-    from transformers import AutoConfig
-
-    from rqlib.hf.models import converted_model_dir
     from rqlib.spec.config import get_preset
     from rqlib.study.allocation import shipped_sensitivity
 
-    table = shipped_sensitivity(model, get_preset(preset))
-    return table, AutoConfig.from_pretrained(converted_model_dir(model))
+    return shipped_sensitivity(model, get_preset(preset)), packaged_config(model)
 
 
 def sweep_command(runs: pd.DataFrame, chapter: str) -> tuple[str, dict]:
@@ -780,14 +788,11 @@ def window_study(path: Path | str, budgets: tuple[float, ...] | None = None) -> 
     at the file's context, from :func:`window_table`, gives exactly its per-layer bits; a run
     that matches none raises ``ValueError`` naming the file and the run, so a file whose bits
     were chosen otherwise is refused rather than read."""
-    from transformers import AutoConfig
-
-    from rqlib.hf.models import converted_model_dir
     from rqlib.spec.config import CompressionConfig
 
     frame = load_headline(path)
     model = str(frame.model.iloc[0])
-    model_config = AutoConfig.from_pretrained(converted_model_dir(model))
+    model_config = packaged_config(model)
     budgets = tuple(budget_of(name) for name in PRESETS) if budgets is None else budgets
     rows = []
     for run in frame[frame.kind == "rqlib"].itertuples():
