@@ -288,10 +288,11 @@ TRELLIS_ONCE_FILES = {
 
 @pytest.mark.parametrize("name", TRELLIS_ONCE_FILES)
 def test_each_trellis_once_run_stores_what_its_label_says(name):
-    """Chapter 6 reads these files as one preset stored four ways: the preset, with its band
-    stored once, with the trellis, and with both. Every run must be the preset resolved at its
-    budget and context, its recorded config must store the band and the codes as its label
-    says, and the command must write this file."""
+    """Chapter 6 reads these files as one preset stored four ways: its band stored twice and
+    once, each without and with the trellis, named by labels that keep their meaning whichever
+    way the presets store their band. Every run must be the preset resolved at its budget and
+    context, its recorded config must store the band and the codes as its label says, and the
+    command must write this file."""
     from rqlib.book.results import results_dir
     from rqlib.spec.config import CompressionConfig
 
@@ -299,7 +300,7 @@ def test_each_trellis_once_run_stores_what_its_label_says(name):
     runs = [r for r in json.loads(path.read_text())["results"] if r["config"] is not None]
     preset = TRELLIS_ONCE_FILES[name]
     assert {r["label"] for r in runs} == {
-        f"preset:{preset}{tcq}{once}" for tcq in ("", ":tcq") for once in ("", ":once")
+        f"preset:{preset}{tcq}:{band}" for tcq in ("", ":tcq") for band in ("twice", "once")
     }
     for run in runs:
         tokens = run["label"].split(":")[2:]
