@@ -8,12 +8,13 @@ exact sink tokens, the recent band, calibrated means), is at most that number.
 
 Every preset is TurboQuant-MSE (dense rotation, Lloyd-Max codes) for keys and values with the
 first token exact, the most recent tokens stored as 8-bit codes (``win64:wb=8``; ``rq-2``
-keeps 32, ``win32``, to leave more of its two bits to the codes), per-head key centering, norm
-correction and 11-bit norms (``nm=6``); what differs is the budget (spec token ``alloc=``):
-the bits of each layer's keys and values are chosen for the model at hand by
-:mod:`rqlib.study.allocation`, from a table of sensitivities measured with the preset's own
-recent window, so that the average bits are at most the budget. A preset is therefore resolved
-against a model before use (``rqlib.study.allocation.resolve``).
+keeps 32, ``win32``, to leave more of its two bits to the codes) and stored once (``once``: a
+token gets its main codes only when it leaves the band, so no bits pay for a second copy),
+per-head key centering, norm correction and 11-bit norms (``nm=6``); what differs is the
+budget (spec token ``alloc=``): the bits of each layer's keys and values are chosen for the
+model at hand by :mod:`rqlib.study.allocation`, from a table of sensitivities measured with
+the preset's own recent window, so that the average bits are at most the budget. A preset is
+therefore resolved against a model before use (``rqlib.study.allocation.resolve``).
 
 Every preset is data-free: the key means used for centering are fitted on the ``pydoc``
 calibration corpus and the sensitivities are measured on later ``pydoc`` tokens, never on the
@@ -51,10 +52,10 @@ class PresetTarget:
 
 #: name -> compact spec.
 PRESETS: dict[str, str] = {
-    "rq-3.5": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=3.5",
-    "rq-3": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=3",
-    "rq-2.5": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=2.5",
-    "rq-2": "turboquant-mse:b3:sink1:win32:wb=8:ctr:nc:nm=6:alloc=2",
+    "rq-3.5": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=3.5:once",
+    "rq-3": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=3:once",
+    "rq-2.5": "turboquant-mse:b3:sink1:win64:wb=8:ctr:nc:nm=6:alloc=2.5:once",
+    "rq-2": "turboquant-mse:b3:sink1:win32:wb=8:ctr:nc:nm=6:alloc=2:once",
 }
 
 
@@ -69,8 +70,8 @@ DESCRIPTIONS: dict[str, str] = {
     name: (
         f"TurboQuant-MSE keys and values with per-layer bits allocated from measured "
         f"sensitivity within {name.removeprefix('rq-')} bits per coordinate; first token exact, "
-        f"{_recent_window(spec)} most recent tokens as 8-bit codes, per-head key centering, "
-        "norm correction, 11-bit norms"
+        f"{_recent_window(spec)} most recent tokens as 8-bit codes only (main codes written "
+        "when a token leaves them), per-head key centering, norm correction, 11-bit norms"
     )
     for name, spec in PRESETS.items()
 }

@@ -82,7 +82,9 @@ def _without_sink(c: CompressionConfig) -> CompressionConfig | None:
 
 
 def _without_window(c: CompressionConfig) -> CompressionConfig | None:
-    return c.replace(recent_window=0, band_bits=None) if c.recent_window else None
+    if not c.recent_window:
+        return None
+    return c.replace(recent_window=0, band_bits=None, band_once=False)
 
 
 def _exact_band(c: CompressionConfig) -> CompressionConfig | None:

@@ -71,8 +71,9 @@ LLAMA_8B = dict(
     max_position_embeddings=131072,
     rope_theta=500000.0,
 )
-#: what the kernel step stores: the presets' storage at 3 bits for keys and values (their
-#: budgets allocate 2 to 4 bits a layer), without the calibrated key means
+#: what the kernel step stores: the presets' codes at 3 bits for keys and values (their
+#: budgets allocate 2 to 4 bits a layer), without the calibrated key means, and their recent
+#: band with its tokens in the main codes too (``twice``, as the timings in GPU.md were taken)
 KERNEL_SPEC = "turboquant-mse:b3:sink1:win64:wb=8:nc:nm=6"
 #: the relative error of the attention on the device against the torch path above which the
 #: correctness step fails: the kernel's fp16 codebook and the fp16 parts of its tensor-core
