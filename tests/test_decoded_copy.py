@@ -103,26 +103,38 @@ def test_the_copy_is_not_counted_as_stored_and_is_reserved_at_its_size(rng):
 
 
 def test_a_copy_that_fails_to_build_leaves_every_stream_as_it_was(rng, monkeypatch):
-    """Turning the copy on decodes the stored tokens; if that fails part-way, no stream is
-    left with a partial copy (which attention would read as if it were whole)."""
+    """Turning the copy on decodes the stored tokens; if that fails part-way (at a random ring,
+    after the rings and layers before it got their copies), no stream is left with a copy:
+    neither a partial one, which attention would read as if it were whole, nor a whole one
+    that the cache does not count as kept."""
     from rqlib.kernels import store
 
     model = tiny_model("llama", seed_of(rng))
     config = preset_config("rq-3", model)
-    ids = torch.randint(1, 256, (1, 20), generator=rng)
+    # inside and beyond the recent band: with the band stored once, a main stream holds
+    # tokens only beyond it
+    length = int(torch.randint(20, 2 * config.recent_window, (1,), generator=rng))
+    ids = torch.randint(1, 256, (1, length), generator=rng)
     real_write = store.VectorRing._write
+    written = []
 
     def failing_write(ring, start, fields):
         if "decoded" in fields:
-            raise RuntimeError("out of memory (simulated)")
+            written.append(ring)
+            if len(written) == fail_at:
+                raise RuntimeError("out of memory (simulated)")
         return real_write(ring, start, fields)
 
     with torch.no_grad(), compress(model, config, tokenizer=ByteTokenizer()) as cache:
         model(ids, cache=cache)
         reserved = cache.reserved_nbytes()
+        rings = [r for layer in cache.layers for s in layer.streams.values() for r in s.rings]
+        holding = [r for r in rings if r.packed and r.end > 0]
+        fail_at = int(torch.randint(1, len(holding) + 1, (1,), generator=rng))
         monkeypatch.setattr(store.VectorRing, "_write", failing_write)
         with pytest.raises(RuntimeError, match="simulated"):
             cache.keep_decoded(True)
-        rings = [r for layer in cache.layers for s in layer.streams.values() for r in s.rings]
+        assert len(written) == fail_at
         assert not any(r.has_decoded or "decoded" in r.buffers for r in rings)
         assert cache.reserved_nbytes() == reserved
+        assert not any(layer.decoded_copy for layer in cache.layers)

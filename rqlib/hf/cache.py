@@ -158,11 +158,19 @@ class CompressedLayer(CacheLayerMixin):
 
     def keep_decoded(self, keep: bool = True) -> None:
         """Keep (or drop) a decoded copy of every packed stream (see
-        :meth:`CompressedCache.keep_decoded`)."""
-        for stream in self.streams.values():
-            for ring in stream.rings:
-                if ring.packed:
+        :meth:`CompressedCache.keep_decoded`); if building a copy fails, the rings already
+        given one drop it again, so that every ring is left as it was."""
+        rings = [r for stream in self.streams.values() for r in stream.rings if r.packed]
+        switched = []
+        try:
+            for ring in rings:
+                if ring.has_decoded != keep:
                     ring.keep_decoded(keep)
+                    switched.append(ring)
+        except BaseException:
+            for ring in switched:  # only turning a copy on can fail; dropping one cannot
+                ring.keep_decoded(not keep)
+            raise
         self.decoded_copy = keep
 
     def reset(self) -> None:
@@ -596,8 +604,15 @@ class CompressedCache(Cache):
         already stored are decoded once now."""
         if not isinstance(keep, bool):
             raise TypeError(f"keep must be True or False, got {keep!r}")
-        for layer in self.layers:
-            layer.keep_decoded(keep)
+        before = [layer.decoded_copy for layer in self.layers]
+        try:
+            for layer in self.layers:
+                layer.keep_decoded(keep)
+        except BaseException:  # a copy that fails to build leaves every layer as it was
+            for layer, had_copy in zip(self.layers, before):
+                if had_copy != keep:  # dropping a copy cannot fail
+                    layer.keep_decoded(had_copy)
+            raise
 
     # ---- steps ---------------------------------------------------------------------------------
     @property
