@@ -145,6 +145,12 @@ def test_storage_savings_are_the_bit_accounting_differences():
     # 64 of 4096 tokens as 8-bit codes (+ an 11-bit norm) instead of 16-bit copies
     band = 64 / 4096 * (16 - (8 + 11 / 64))
     assert savings["band_saving"] == pytest.approx(band)
+    # stored once, the band's 64 tokens hold no main codes (3 bits and an 11-bit norm each),
+    # whichever way the spec itself stores the band
+    once = 64 / 4096 * (3 + 11 / 64)
+    assert savings["once_saving"] == pytest.approx(once)
+    spec_once = "turboquant-mse:b3:sink1:win64:wb=8:nm=6:once"
+    assert perplexity.storage_savings(spec_once, config)["once_saving"] == pytest.approx(once)
     with pytest.raises(ValueError, match="nm="):
         perplexity.storage_savings("turboquant-mse:b3", config)
 

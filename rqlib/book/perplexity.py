@@ -124,13 +124,16 @@ def qjl_against_mse(table: pd.DataFrame) -> tuple[int, int]:
 
 
 def storage_savings(spec: str, model_config, context: int = 4096) -> dict[str, float]:
-    """What two storage choices of ``spec`` save, in average bits per K and V coordinate of
+    """What three storage choices of ``spec`` save, in average bits per K and V coordinate of
     ``model_config`` at ``context`` tokens (:func:`rqlib.spec.bits.average_bits`):
 
     - ``norm_bits``, ``norm_saving``: the norms at ``5 + nm`` bits rather than fp16;
     - ``band_tokens``, ``band_bits``, ``band_saving``: the recent band as ``wb``-bit codes
       rather than exact tokens; ``band_relative_error``: the RMS relative error of one
-      ``wb``-bit vector, ``sqrt(D)`` of the Lloyd–Max codebook at the head dimension.
+      ``wb``-bit vector, ``sqrt(D)`` of the Lloyd–Max codebook at the head dimension;
+    - ``once_saving``: the band stored once (``once``: a token's main codes are written when
+      it leaves the band) rather than twice (in the band and in the main codes), whichever of
+      the two ``spec`` stores.
     """
     config = CompressionConfig.parse(spec)
     if config.norm_mantissa is None or config.band_bits is None:
@@ -142,6 +145,7 @@ def storage_savings(spec: str, model_config, context: int = 4096) -> dict[str, f
 
     tokens = spec.split(":")
     base = mean_bits(spec)
+    twice = ":".join(t for t in tokens if t not in ("once", "twice"))
     return {
         "norm_bits": 5 + config.norm_mantissa,
         "norm_saving": mean_bits(":".join(t for t in tokens if not t.startswith("nm="))) - base,
@@ -149,4 +153,5 @@ def storage_savings(spec: str, model_config, context: int = 4096) -> dict[str, f
         "band_bits": config.band_bits,
         "band_saving": mean_bits(":".join(t for t in tokens if not t.startswith("wb="))) - base,
         "band_relative_error": lloyd_max(head_dim, config.band_bits).distortion ** 0.5,
+        "once_saving": mean_bits(twice) - mean_bits(f"{twice}:once"),
     }
