@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from rqlib.book import loaders, perplexity
+from rqlib.book.labels import READ_BY_SPEC
 from rqlib.cli import COMMANDS
 from rqlib.spec.presets import PRESETS
 
@@ -222,13 +223,6 @@ def test_a_format_without_a_table_is_named():
         loaders.window_table("smollm2-135m", config)
 
 
-#: the first CPU's runs of rq-3 and rq-2 with their bands stored twice and once, which chapter
-#: 6 compares with the runs of the same specs on a second CPU (TRELLIS_ONCE_FILES)
-BAND_ONCE_FILES = (
-    "eval-band-once-smollm2-w1024.json",
-    "eval-band-once-smollm2-w4096.json",
-    "eval-band-once-gemma3-w1024.json",
-)
 #: every preset with its band stored twice and once, one command for each model and context
 BAND_TWICE_ONCE_FILES = (
     "eval-band-twice-once-smollm2-w1024.json",
@@ -259,7 +253,7 @@ def test_each_band_twice_once_file_runs_every_preset_both_ways(name):
     assert_command_writes(path, name)
 
 
-@pytest.mark.parametrize("name", BAND_ONCE_FILES)
+@pytest.mark.parametrize("name", READ_BY_SPEC)
 def test_each_first_cpu_run_is_repeated_on_the_second(name):
     """Chapter 6 pairs each run of ``name`` (the first CPU) with the run of the same spec on the
     same tokens among the four-way files of its model and context (the second CPU), by the
