@@ -165,6 +165,7 @@ class Quantizer:
         norm_dtype: torch.dtype,
         norm_mantissa_bits: int | None = None,
         trellis_state_bits: int | None = None,
+        trellis_tail_biting: bool = False,
     ):
         self.method, self.d, self.bits, self.draw = method, d, bits, draw
         self.has_qjl = METHODS[method][1]
@@ -186,7 +187,9 @@ class Quantizer:
         #: (same bits: one symbol of ``mse_bits`` per coordinate), or ``None``.
         self.trellis: BitshiftTrellis | None = None
         if trellis_state_bits is not None and self.mse_bits:
-            self.trellis = BitshiftTrellis(state_bits=trellis_state_bits, draw=draw)
+            self.trellis = BitshiftTrellis(
+                state_bits=trellis_state_bits, draw=draw, tail_biting=trellis_tail_biting
+            )
         self.qjl_sketch = qjl_sketch
         self.qjl_dim = qjl_dim if self.has_qjl else 0
         if self.has_qjl:
@@ -198,6 +201,8 @@ class Quantizer:
     def __repr__(self) -> str:
         qjl = f", qjl_sketch={self.qjl_sketch!r}, qjl_dim={self.qjl_dim}" if self.has_qjl else ""
         trellis = f", trellis_state_bits={self.trellis.state_bits}" if self.trellis else ""
+        if self.trellis and self.trellis.tail_biting:
+            trellis += ", trellis_tail_biting=True"
         return (
             f"Quantizer({self.method!r}, d={self.d}, bits={self.bits}, "
             f"rotation={self.rotation.kind!r}{qjl}{trellis}, draw={self.draw})"
@@ -382,6 +387,7 @@ def make_quantizer(
     norm_dtype: torch.dtype = torch.float16,
     norm_mantissa_bits: int | None = None,
     trellis_state_bits: int | None = None,
+    trellis_tail_biting: bool = False,
 ) -> Quantizer:
     """Build a quantizer.
 
@@ -404,6 +410,9 @@ def make_quantizer(
         trellis_state_bits: code the rotated coordinates with a bitshift trellis of this many
             state bits (:mod:`rqlib.core.trellis`; more than the code bits, at most 16) instead
             of the Lloyd-Max code; the same bits are stored. Default ``None``: Lloyd-Max.
+        trellis_tail_biting: read that trellis tail-biting (its register starts from the end
+            of its own stream: no sample is coded from a part of the table); needs
+            ``trellis_state_bits`` and at least that many code bits per vector.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
@@ -446,6 +455,10 @@ def make_quantizer(
                 f"trellis_state_bits must be an int in {code_bits + 1}..16 (more than the "
                 f"{code_bits} code bits), got {trellis_state_bits!r}"
             )
+    if not isinstance(trellis_tail_biting, bool):
+        raise ValueError(f"trellis_tail_biting must be a bool, got {trellis_tail_biting!r}")
+    if trellis_tail_biting and trellis_state_bits is None:
+        raise ValueError("trellis_tail_biting needs a trellis: give trellis_state_bits")
     return Quantizer(
         method,
         d,
@@ -458,4 +471,5 @@ def make_quantizer(
         norm_dtype=norm_dtype,
         norm_mantissa_bits=norm_mantissa_bits,
         trellis_state_bits=trellis_state_bits,
+        trellis_tail_biting=trellis_tail_biting,
     )

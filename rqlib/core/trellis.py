@@ -13,6 +13,20 @@ is found exactly. Steps may differ in width (one ``k`` per sample): a shift of `
 The register starts at 0, so no bits beyond ``k n`` are stored; the first
 ``ceil((L - k) / k)`` samples see fewer table values, which the measured distortion includes.
 
+**Tail-biting** (``tail_biting=True``) removes that start. The stream is read as a circle: the
+register starts from the last ``L`` bits of the stream itself, so every sample is read from
+the whole table, again at no stored bit::
+
+    state_{-1} = state_{n-1}    (the last L bits of the stream; needs k_0 + ... + k_{n-1} >= L)
+
+The decoder finds ``state_{n-1}`` by one pass of the shift register (it holds only stream bits
+once ``L`` bits have passed) and then decodes as before. The encoder must choose a path whose
+end agrees with its start: it guesses the register at the seam by coding the sequence turned
+half-way round (its seam then lies in the middle, where the free-start code is good), and then
+runs the Viterbi algorithm from that register, keeping only the ends whose last ``L - k_0``
+bits equal it. That is two Viterbi passes instead of one; the code is exact given the guessed
+seam, not over every seam.
+
 The table holds the ``2^L`` quantiles of a unit Gaussian in a pseudo-random order fixed by a draw
 number, so that the values reachable from any state look like independent Gaussian draws.
 """
@@ -44,14 +58,19 @@ def _table(state_bits: int, draw: int) -> torch.Tensor:
 class BitshiftTrellis:
     """A bitshift trellis with ``state_bits`` (``L``) bits of state; see the module docstring.
 
-    Symbols of ``k`` bits need ``1 <= k < L``; ``k`` may change from step to step."""
+    Symbols of ``k`` bits need ``1 <= k < L``; ``k`` may change from step to step. With
+    ``tail_biting`` the register starts from the stream's own end, which needs a stream of at
+    least ``L`` bits."""
 
     state_bits: int = 10
     draw: int = 0
+    tail_biting: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.state_bits <= 16:
             raise ValueError(f"state_bits must be in 2..16, got {self.state_bits!r}")
+        if not isinstance(self.tail_biting, bool):
+            raise TypeError(f"tail_biting must be a bool, got {self.tail_biting!r}")
 
     @property
     def table(self) -> torch.Tensor:
@@ -65,7 +84,22 @@ class BitshiftTrellis:
                 f"a trellis of {self.state_bits} state bits codes 1..{self.state_bits - 1} bits a "
                 f"sample, one width or one per sample ({length}), got {bits!r}"
             )
+        if self.tail_biting and sum(steps) < self.state_bits:
+            raise ValueError(
+                f"a tail-biting trellis of {self.state_bits} state bits needs a stream of at "
+                f"least {self.state_bits} bits, got {length} samples of {bits!r} bits"
+            )
         return steps
+
+    def _end_states(self, symbols: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """The register after every symbol of ``symbols [N, n]`` read from 0: ``[N, n]``."""
+        mask = (1 << self.state_bits) - 1
+        state = torch.zeros(symbols.shape[0], dtype=torch.long)
+        states = torch.empty(symbols.shape, dtype=torch.long)
+        for t, k in enumerate(steps):
+            state = ((state << k) | symbols[:, t].long()) & mask
+            states[:, t] = state
+        return states
 
     def decode(self, symbols: torch.Tensor, bits) -> torch.Tensor:
         """Samples ``[N, n]`` (float64) from symbols ``[N, n]`` of ``bits`` bits (an int, or a
@@ -73,6 +107,8 @@ class BitshiftTrellis:
         steps = self._steps(bits, symbols.shape[1])
         mask = (1 << self.state_bits) - 1
         state = torch.zeros(symbols.shape[0], dtype=torch.long)
+        if self.tail_biting:
+            state = self._end_states(symbols, steps)[:, -1]
         out = torch.empty(symbols.shape, dtype=torch.float64)
         for t, k in enumerate(steps):
             state = ((state << k) | symbols[:, t].long()) & mask
@@ -88,15 +124,29 @@ class BitshiftTrellis:
         steps = self._steps(bits, x.shape[1])
         if not bool(torch.isfinite(x).all()):
             raise ValueError("x must be finite")
+        code = self._tail_biting if self.tail_biting else self._viterbi
         return torch.cat(
-            [self._viterbi(chunk, steps) for chunk in x.split(ENCODE_CHUNK)]
+            [code(chunk, steps) for chunk in x.split(ENCODE_CHUNK)]
             or [torch.zeros(0, x.shape[1], dtype=torch.long)]
         )
 
-    def _viterbi(self, x: torch.Tensor, steps: list[int]) -> torch.Tensor:
+    def _tail_biting(self, x: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """Two passes: the seam's register from the sequence turned half-way round, then the
+        best path from that register among those that end where they started."""
+        turn = x.shape[1] // 2
+        turned = self._viterbi(x.roll(-turn, dims=1), steps[turn:] + steps[:turn])
+        seam = self._end_states(turned, steps[turn:] + steps[:turn])[:, -1 - turn]
+        return self._viterbi(x, steps, start=seam)
+
+    def _viterbi(
+        self, x: torch.Tensor, steps: list[int], start: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The least-error symbols for ``x [N, n]`` from the register 0, or from the registers
+        ``start [N]`` with the ends restricted to those whose last ``L - k_0`` bits match."""
         n_seq = x.shape[0]
+        rows = torch.arange(n_seq)
         cost = torch.full((n_seq, 1 << self.state_bits), torch.inf, dtype=torch.float64)
-        cost[:, 0] = 0.0
+        cost[rows, 0 if start is None else start] = 0.0
         pointers = []
         for t, k in enumerate(steps):
             tail, fan = 1 << (self.state_bits - k), 1 << k
@@ -105,9 +155,12 @@ class BitshiftTrellis:
             pointers.append(top.to(torch.uint8))
             error = (x[:, t, None, None] - self.table.view(tail, fan)[None]).pow(2)
             cost = (best[:, :, None] + error).view(n_seq, -1)
+        if start is not None:  # the decoder reads the register before step 0 from the end
+            seam = (1 << (self.state_bits - steps[0])) - 1
+            ends = torch.arange(1 << self.state_bits)
+            cost = cost.masked_fill((ends[None] & seam) != (start[:, None] & seam), torch.inf)
         state = cost.argmin(dim=1)
         symbols = torch.empty(x.shape, dtype=torch.long)
-        rows = torch.arange(n_seq)
         for t in range(len(steps) - 1, -1, -1):
             k = steps[t]
             symbols[:, t] = state & ((1 << k) - 1)

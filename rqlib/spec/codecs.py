@@ -50,6 +50,7 @@ class QuantizerOptions:
     codebook_law: str
     norm_mantissa_bits: int | None
     trellis_state_bits: int | None = None
+    trellis_tail_biting: bool = False
 
     @classmethod
     def of(cls, config, method: str, trellis: bool = True) -> QuantizerOptions:
@@ -63,6 +64,7 @@ class QuantizerOptions:
             config.codebook_law,
             config.norm_mantissa,
             config.trellis_state_bits if trellis else None,
+            config.trellis_tail_biting and trellis,
         )
 
 
@@ -88,6 +90,7 @@ def _quantizer(method: str, dim: int, bits: int, draw: int, options: QuantizerOp
         codebook_law=options.codebook_law,
         norm_mantissa_bits=options.norm_mantissa_bits,
         trellis_state_bits=options.trellis_state_bits,
+        trellis_tail_biting=options.trellis_tail_biting,
     )
 
 

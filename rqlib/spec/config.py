@@ -44,6 +44,9 @@ override it). TOKENs (``name=value`` or the short form):
 ``tcq`` / ``tcq=12``   keys and values (not the band) coded by a bitshift trellis of 10 (12)
                        state bits instead of the Lloyd-Max code, at the same bits
                        (:mod:`rqlib.core.trellis`); the torch path only, refused on CUDA
+``tb``                 the trellis read tail-biting: its register starts from the end of its
+                       own stream, so that no sample is coded from a part of the table (needs
+                       ``tcq``; the same bits, two encoder passes)
 ``nm=6``               norms (and norm-corrected scales) rounded to 6 mantissa bits: 11 bits
                        each (sign-free e5m6) instead of 16
 ``draw=7``             which draw of the random rotations and sketches (default 0)
@@ -162,6 +165,7 @@ class CompressionConfig:
     qjl_dim: int | None = None
     codebook_law: str = "beta"
     trellis_state_bits: int | None = None
+    trellis_tail_biting: bool = False
     norm_mantissa: int | None = None
     center_keys: bool = False
     transform_keys: bool = False
@@ -236,6 +240,10 @@ class CompressionConfig:
                     f"trellis_state_bits must be in {MAX_BITS + 1}..16 (more than any code's "
                     f"bits), got {self.trellis_state_bits!r}",
                 )
+        if self.trellis_tail_biting and self.trellis_state_bits is None:
+            raise ConfigFieldError(
+                "trellis_tail_biting", "a tail-biting trellis (tb) needs the trellis code (tcq)"
+            )
         if self.norm_mantissa is not None:
             _check_count("norm_mantissa", self.norm_mantissa)
             if not 1 <= self.norm_mantissa <= 10:
@@ -623,6 +631,8 @@ class CompressionConfig:
         if self.trellis_state_bits is not None:
             state = self.trellis_state_bits
             tokens.append("tcq" if state == TRELLIS_STATE_BITS else f"tcq={state}")
+        if self.trellis_tail_biting:
+            tokens.append("tb")
         if self.norm_mantissa is not None:
             tokens.append(f"nm={self.norm_mantissa}")
         if self.draw != default.draw:
@@ -662,6 +672,7 @@ _FLAGS = {
     "vs": ("scale_values", True),
     "nc": ("norm_correction", True),
     "tcq": ("trellis_state_bits", TRELLIS_STATE_BITS),
+    "tb": ("trellis_tail_biting", True),
     "kxf": ("transform_keys", True),
     "vxf": ("transform_values", True),
     "once": ("band_once", True),
@@ -765,6 +776,11 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
         "tcq | tcq=12",
         "keys and values coded by a bitshift trellis of 10 (12) state bits instead of the "
         "Lloyd-Max code, same bits (torch path; refused on CUDA)",
+    ),
+    "tb": (
+        "tb",
+        "the trellis read tail-biting: its register starts from its stream's end, so every "
+        "sample sees the whole table (needs tcq; same bits, two encoder passes)",
     ),
     "draw": ("draw=0", "which draw of the random rotations and sketches (an integer, default 0)"),
     "calib": ("calib=pydoc", "the corpus calibrations are measured on"),

@@ -192,12 +192,15 @@ def _base_of(config: CompressionConfig) -> CompressionConfig:
       reads: a token's main codes are coded from the band's copy of it, which is the token
       itself for an exact band, and within the error above for ``wb=8``.
 
-    The trellis code (``tcq``) is left out for another reason: the layers are ranked by their
-    sensitivity under the Lloyd-Max code, whose table exists, instead of measuring a table with
-    the much slower trellis encoder; the trellis then lowers the error at each chosen width
-    (chapter 6 measures by how much), so the ranking is an approximation, stated as such.
+    The trellis code (``tcq``, read tail-biting or not) is left out for another reason: the
+    layers are ranked by their sensitivity under the Lloyd-Max code, whose table exists, instead
+    of measuring a table with the much slower trellis encoder; the trellis then lowers the error
+    at each chosen width (chapter 6 measures by how much), so the ranking is an approximation,
+    stated as such.
     """
-    base = _uniform(config).replace(norm_mantissa=None, trellis_state_bits=None, band_once=False)
+    base = _uniform(config).replace(
+        norm_mantissa=None, trellis_state_bits=None, trellis_tail_biting=False, band_once=False
+    )
     if base.band_bits is not None and base.band_bits >= NEAR_EXACT_BAND_BITS:
         base = base.replace(band_bits=None)
     return base
