@@ -250,22 +250,32 @@ def _reference_attention(
     return out
 
 
-def _codec(dim: int, bits: int, seed: int, trellis_state_bits: int | None = None) -> VectorCodec:
+def _codec(dim: int, bits: int, seed: int, trellis: tuple[int, bool] | None = None) -> VectorCodec:
+    """One quantizer's codec; ``trellis``: (state bits, tail-biting), or Lloyd-Max."""
+    state_bits, tail_biting = trellis or (None, False)
     quantizer = make_quantizer(
-        "turboquant-mse", dim, bits, draw=seed, trellis_state_bits=trellis_state_bits
+        "turboquant-mse",
+        dim,
+        bits,
+        draw=seed,
+        trellis_state_bits=state_bits,
+        trellis_tail_biting=tail_biting,
     )
     return VectorCodec([ChannelPart(quantizer, None)], dim)
 
 
 @pytest.mark.parametrize("band_bits", [None, 4])
-@pytest.mark.parametrize("trellis_state_bits", [None, 9], ids=["lloyd-max", "trellis"])
-def test_layer_attention_matches_the_definition(band_bits, trellis_state_bits, rng):
+@pytest.mark.parametrize(
+    "trellis", [None, (9, False), (9, True)], ids=["lloyd-max", "trellis", "tail-biting"]
+)
+def test_layer_attention_matches_the_definition(band_bits, trellis, rng):
     """Prefill and decode steps of one layer attend as the definition does with the codecs'
-    own reconstructions, for Lloyd-Max and trellis codes (``tcq``; the band stays Lloyd-Max)."""
+    own reconstructions, for Lloyd-Max and trellis codes (``tcq``, read from 0 or tail-biting:
+    ``tb``; the band stays Lloyd-Max)."""
     seed = seed_of(rng)
     batch, q_heads, kv_heads, dim = 2, 4, 2, 16
-    key_codec = _codec(dim, 2, seed, trellis_state_bits)
-    value_codec = _codec(dim, 3, seed + 1, trellis_state_bits)
+    key_codec = _codec(dim, 2, seed, trellis)
+    value_codec = _codec(dim, 3, seed + 1, trellis)
     band_codecs = (None, None)
     if band_bits is not None:
         band_codecs = (_codec(dim, band_bits, seed + 2), _codec(dim, band_bits, seed + 3))

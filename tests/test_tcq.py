@@ -7,6 +7,7 @@ The one statistical check is a sign test whose false-failure rate is derived in 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -60,9 +61,18 @@ def test_the_trellis_quantizer_stores_the_same_bits_and_errs_less(rng, record_st
 @pytest.mark.randomized
 def test_trellis_codes_read_back_as_they_were_encoded(rng):
     """The values the encoder chose (used for the QJL residual) are the values every reader
-    decodes from the packed symbols, bit for bit, for MSE and prod quantizers."""
-    for method, bits in (("turboquant-mse", 2), ("turboquant-prod", 3), ("rotorquant-mse", 3)):
-        quantizer = make_quantizer(method, 24, bits, draw=seed_of(rng), trellis_state_bits=9)
+    decodes from the packed symbols, bit for bit, for MSE and prod quantizers, read from 0 or
+    tail-biting."""
+    methods = (("turboquant-mse", 2), ("turboquant-prod", 3), ("rotorquant-mse", 3))
+    for (method, bits), tail_biting in itertools.product(methods, (False, True)):
+        quantizer = make_quantizer(
+            method,
+            24,
+            bits,
+            draw=seed_of(rng),
+            trellis_state_bits=9,
+            trellis_tail_biting=tail_biting,
+        )
         x = torch.randn(5, 7, 24, generator=rng)
         _, y = quantizer.rotated_unit(x)
         _, chosen = quantizer.trellis_code(y)
@@ -80,6 +90,18 @@ def test_the_tcq_token_reads_writes_and_is_refused_out_of_range():
         CompressionConfig.parse("turboquant-mse:k3:tcq:tcq=12")
 
 
+def test_the_tb_token_reads_writes_and_needs_the_trellis():
+    config = CompressionConfig.parse("preset:rq-3:tcq:tb")
+    assert config.trellis_tail_biting and config.trellis_state_bits == TRELLIS_STATE_BITS
+    assert CompressionConfig.parse(config.spec()) == config
+    assert ":tcq:tb" in config.spec()
+    assert not CompressionConfig.parse("preset:rq-3:tcq").trellis_tail_biting
+    with pytest.raises(ValueError, match="token 'tb'.*tcq"):
+        CompressionConfig.parse("preset:rq-3:tb")
+    with pytest.raises(ValueError, match="trellis_state_bits"):
+        make_quantizer("turboquant-mse", 64, 3, trellis_tail_biting=True)
+
+
 def test_keys_and_values_use_the_trellis_and_the_band_does_not(rng):
     config = CompressionConfig.parse("turboquant-mse:k3:v2:win8:wb=8:tcq")
     plan = layer_plan(config, 0, 2, 32)
@@ -90,6 +112,11 @@ def test_keys_and_values_use_the_trellis_and_the_band_does_not(rng):
     model = tiny_model("llama", seed_of(rng))
     plain = CompressionConfig.parse("turboquant-mse:k3:v2:win8:wb=8")
     assert average_bits(config, model.config) == average_bits(plain, model.config)
+    tail_biting = config.replace(trellis_tail_biting=True)
+    assert average_bits(tail_biting, model.config) == average_bits(plain, model.config)
+    tail_plan = layer_plan(tail_biting, 0, 2, 32)
+    assert all(q.trellis.tail_biting for q in tail_plan.key.quantizers())
+    assert not any(q.trellis for q in tail_plan.key_band.quantizers())
 
 
 def test_the_gpu_kernels_refuse_the_trellis_naming_its_token(rng):
@@ -107,6 +134,8 @@ def test_the_gpu_kernels_refuse_the_trellis_naming_its_token(rng):
 
 
 def test_the_allocation_ranks_layers_by_the_lloyd_max_table():
-    """A budget with tcq looks its sensitivity table up as the same budget without it."""
-    with_trellis = CompressionConfig.parse("preset:rq-3:tcq")
-    assert _base_of(with_trellis) == _base_of(CompressionConfig.parse("preset:rq-3"))
+    """A budget with tcq (tail-biting or not) looks its sensitivity table up as the same budget
+    without it."""
+    plain = _base_of(CompressionConfig.parse("preset:rq-3"))
+    for spec in ("preset:rq-3:tcq", "preset:rq-3:tcq:tb"):
+        assert _base_of(CompressionConfig.parse(spec)) == plain
