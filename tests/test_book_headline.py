@@ -145,6 +145,23 @@ def test_numbers_name_the_missed_targets(rng):
     assert numbers["agree_decode_reads"].startswith("a decoded copy")
 
 
+def test_numbers_name_the_target_met_by_the_least_margin(rng):
+    """Every target is met with room; one is then set just inside its bound, and that one is
+    named, whatever the others' margins; with no target met the sentence says so."""
+    ours, peers = passing_kls(rng)
+    versus = PEER_TARGETS["rq-3"]
+    ours["preset:rq-3"] = 0.999 * versus.max_kl_ratio * peers[versus.peer]
+    tables = {1024: loaders.headline_table(frame_for(rng, ours, peers), "smollm2", 1024)}
+    targets = loaders.headline_targets(tables)
+    assert targets["met"].all()
+    first = tables[1024].assign(decode_run="token by token")
+    numbers = loaders.headline_numbers(tables, targets, first, tables[1024])
+    assert numbers["held_closest_met"].startswith(f"rq-3 at 1024 tokens, KL / KL of {versus.peer}")
+    none_met = targets.assign(met=False)
+    numbers = loaders.headline_numbers(tables, none_met, first, tables[1024])
+    assert numbers["held_closest_met"] == "none"
+
+
 def test_pareto_front_keeps_exactly_the_undominated_points(rng):
     bits = torch.rand(40, generator=rng).tolist()
     kl = torch.rand(40, generator=rng).tolist()

@@ -653,7 +653,8 @@ def headline_numbers(
 ) -> dict[str, object]:
     """The numbers the side-by-side section quotes, by glue name: ``held_<window>_<method>_
     <column>`` for every row of SmolLM2's tables, ``held_<window>_windows``, the targets
-    (``held_targets_met``, ``held_targets_total``, ``held_targets_missed``: a sentence),
+    (``held_targets_met``, ``held_targets_total``, ``held_targets_missed``: a sentence;
+    ``held_closest_met``: the met target with the least margin, as a share of its bound),
     ``first_<method>_<column>`` of the first window's table, ``agree_<preset>_<column>``
     (:func:`mode_agreement`) and ``gemma_<method>_<column>``."""
     from rqlib.book.chapter import slug
@@ -689,6 +690,14 @@ def headline_numbers(
             )
             for r in missed.itertuples()
         )
+    )
+    met = targets[targets["met"]]
+    closest = met.loc[(1 - met["measured"] / met["bound"]).idxmin()] if not met.empty else None
+    numbers["held_closest_met"] = (
+        "none"
+        if closest is None
+        else f"{closest.preset} at {closest.window} tokens, {closest.target}: "
+        f"{closest.measured:.4g} against {closest.bound:.4g}"
     )
     for row in first.itertuples():
         for column in ("bits_mean", "delta_ppl_pct", "kl", "prefill_delta_ppl_pct"):

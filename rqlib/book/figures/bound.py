@@ -107,6 +107,23 @@ def position_figure(by_position: pd.DataFrame, calibrated_positions: int) -> Fig
     return fig
 
 
+def seam_figure(by_position: pd.DataFrame, lloyd_max: float) -> Figure:
+    """The trellis's mean squared error at each position of a sequence, one line a reading of
+    the register (``by_position``: ``reading``, ``position``, ``mse``), next to the Lloyd-Max
+    code's distortion (dashed)."""
+    fig, axes = subplots(1, width=8.5, height=3.4)
+    ax = axes[0]
+    readings = list(dict.fromkeys(by_position.reading))
+    for reading, color in zip(readings, sns.color_palette(n_colors=len(readings))):
+        rows = by_position[by_position.reading == reading].sort_values("position")
+        ax.semilogy(rows.position, rows.mse, "o-", ms=3, color=color, label=reading)
+    ax.axhline(lloyd_max, color="0.4", lw=0.8, ls="--", label="Lloyd-Max code")
+    ax.set_xlabel("position of the sample in its sequence")
+    ax.set_ylabel("mean squared error")
+    legend_below(fig, ax, ncol=len(readings) + 1)
+    return fig
+
+
 def window_figure(by_window: pd.DataFrame, preset_windows: dict[float, int]) -> Figure:
     """The mean KL against the length of the recent window at equal stored bits: one line a
     budget (colour) and context (line style), the least KL of each line filled in, and the
