@@ -201,6 +201,31 @@ def test_the_position_figure_draws_each_calibrations_median_off_the_legend(rng):
     plt.close(fig)
 
 
+def test_the_seam_figure_draws_each_reading_in_position_order_and_the_lloyd_max_line(rng):
+    """Random errors from rng in a shuffled order; each reading's line must hold its errors by
+    position and the dashed line the Lloyd-Max distortion, exactly, off the legend."""
+    from rqlib.book.figures.bound import seam_figure
+
+    rows = [
+        {"reading": reading, "position": position, "mse": float(error)}
+        for reading in ("register from 0", "tail-biting")
+        for position, error in enumerate(0.01 + torch.rand(8, generator=rng))
+    ]
+    frame = pd.DataFrame(rows).sample(
+        frac=1.0, random_state=int(torch.randint(1 << 30, (1,), generator=rng))
+    )
+    lloyd_max = float(0.02 + torch.rand(1, generator=rng))
+    fig = seam_figure(frame, lloyd_max)
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    for reading in ("register from 0", "tail-biting"):
+        expected = frame[frame.reading == reading].sort_values("position")
+        assert np.array_equal(lines[reading].get_xdata(), expected.position.values)
+        assert np.allclose(lines[reading].get_ydata(), expected.mse.values)
+    assert list(lines["Lloyd-Max code"].get_ydata()) == [lloyd_max, lloyd_max]
+    assert not overlaps_an_axes(fig)
+    plt.close(fig)
+
+
 def test_the_window_figure_fills_each_lines_least_kl_and_rings_the_presets_window(rng):
     """Random KLs from rng (ties have probability zero); each line is checked against the
     frame sorted by window, its filled point against the frame's least KL and its ring
