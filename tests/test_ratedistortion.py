@@ -251,10 +251,11 @@ def test_tail_biting_viterbi_finds_the_best_path_through_its_seam(rng):
 def test_tail_biting_trellis_errs_less_than_one_started_from_zero(rng, record_statistic):
     """On unit Gaussian sequences of 64 samples at 2 bits, read tail-biting, the 10-bit trellis
     codes its first samples from the whole table instead of a part of it: its mean squared error
-    (measured about 0.080) is below the free start's (about 0.090). Over 30 draws of the table
-    and 400 sequences each, the paired per-sequence differences gave z-scores of 12.7 to 19.0
-    (mean 16.2) against the bound 5.33, which a normal mean misses by chance with probability
-    below 1e-7. A decoder that read the register from 0 fails it (z about -27)."""
+    (measured about 0.080) is below the free start's (about 0.090). Over 100 seeds (each a
+    table and 400 sequences), the paired per-sequence differences gave z-scores of 12.0 to 22.4
+    (median 15.3; ``tests/audit/randomized-100-tail-biting.txt``) against the bound 5.33, which
+    a normal mean misses by chance with probability below 1e-7. A decoder that read the
+    register from 0 fails it (z about -27)."""
     draw = int(torch.randint(1 << 30, (1,), generator=rng))
     x = torch.randn(400, 64, generator=rng, dtype=torch.float64)
     errors = []
