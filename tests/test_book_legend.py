@@ -42,6 +42,8 @@ def test_every_form_of_the_legend_parses(name):
             base += ":win64"
         if name == "group bits":  # the widths of the groups of the transforms
             base += ":kxf:vxf"
+        if name == "tb":  # a reading of the trellis needs the trellis
+            base += ":tcq"
         CompressionConfig.parse(f"{base}:{form}")
 
 
