@@ -151,16 +151,22 @@ def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second row is left-padded by 3 tokens
     assert ids.shape[1] + NEW_TOKENS <= config.recent_window  # what ENDS relies on
-    tokens, logits, codes = run(model, config, ids, mask, "torch")
-    specializations = Specializations(launch.attention_kernel)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launch, "attention_kernel", specializations)
-        kernel_tokens, kernel_logits, kernel_codes = run(model, config, ids, mask, "triton")
+    specializations = assert_kernels_generate_as_torch(model, config, ids, mask)
     # one specialization per layer format, for the prompt and every decode step alike: none
     # per context length or step kind
     compiled, formats = specializations.compiled, specializations.formats
     print(f"{len(compiled)} specializations for {len(formats)} layer formats")
     assert len(compiled) == len(formats) >= 1
+
+
+def assert_kernels_generate_as_torch(model, config, ids, mask) -> Specializations:
+    """Generate on the torch path and through the kernels: the same tokens and logits within
+    the tolerances of the module doc. Returns the attention kernel's launches."""
+    tokens, logits, codes = run(model, config, ids, mask, "torch")
+    specializations = Specializations(launch.attention_kernel)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "attention_kernel", specializations)
+        kernel_tokens, kernel_logits, kernel_codes = run(model, config, ids, mask, "triton")
     flipped = sum(int((a != b).sum()) for a, b in zip(codes, kernel_codes))
     tol = LOGIT_TOL if flipped == 0 else FLIPPED_CODE_TOL
     prompt = ids.shape[1]
@@ -168,6 +174,7 @@ def test_generate_through_the_kernels_matches_the_torch_path(kind, preset, rng):
         kernel_tokens[:, prompt:], tokens[:, prompt:], kernel_logits, logits, tol
     )
     print(f"max logit difference {difference:.2e}; stored bytes that differ: {flipped}")
+    return specializations
 
 
 def test_a_config_the_kernel_cannot_serve_is_refused_when_built_on_cuda(rng, monkeypatch):
@@ -182,3 +189,22 @@ def test_a_config_the_kernel_cannot_serve_is_refused_when_built_on_cuda(rng, mon
     assert model.config._attn_implementation == "sdpa"
     with compress(model, preset_config("rq-3", model), tokenizer=ByteTokenizer()):
         pass  # the presets' format is served
+
+
+@pytest.mark.parametrize("kind", ("llama", "gemma3"))
+def test_generate_with_trellis_codes_through_the_kernels_matches_the_torch_path(kind, rng):
+    """The presets' format with tail-biting trellis codes (``tcq:tb``) and a recent band of 4
+    tokens, so that the prompt and every generated token leave the band for the main streams,
+    where the attention kernel reads the trellis's shift registers (the quantize step runs the
+    trellis's encoder in torch on both paths). Tolerances as for the presets (module doc): a
+    Viterbi path may also change where the two paths' hidden states differ by rounding."""
+    model = tiny_model(kind, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    config = preset_config("rq-3", model).replace(
+        recent_window=4, trellis_state_bits=10, trellis_tail_biting=True
+    )
+    ids = torch.randint(1, VOCAB, (2, 7), generator=rng)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    specializations = assert_kernels_generate_as_torch(model, config, ids, mask)
+    read = {dict(layout)["k_trellis_tail_biting"] for layout, _ in specializations.formats}
+    assert read == {1}, "the attention kernel did not read tail-biting trellis keys"

@@ -68,6 +68,9 @@ def gaussian(rng, *shape, dtype=torch.float32):
 # --------------------------------------------------------------------------------------------
 # fused_scores
 
+#: a tail-biting trellis of 10 state bits, as the spec tokens tcq:tb make
+TAIL_BITING = {"trellis_state_bits": 10, "trellis_tail_biting": True}
+
 # (method, bits, d, options, batch, kv_heads, group, q_len, kv_len, q dtype)
 SCORE_CASES = [
     ("turboquant-prod", 3, 128, {}, 2, 2, 3, 7, 77, torch.float32),
@@ -77,6 +80,9 @@ SCORE_CASES = [
     ("rotorquant-mse", 3, 256, {}, 1, 1, 1, 7, 33, torch.float32),
     ("turboquant-prod", 1, 128, {"rotation": "none"}, 2, 2, 1, 1, 65, torch.float32),
     ("turboquant-mse", 5, 64, {}, 1, 3, 3, 2, 50, torch.float32),
+    # trellis codes: read tail-biting, and from 0 with QJL signs on the residual
+    ("turboquant-mse", 3, 64, TAIL_BITING, 2, 1, 3, 2, 40, torch.float32),
+    ("turboquant-prod", 3, 128, {"trellis_state_bits": 9}, 1, 2, 2, 1, 33, torch.float32),
 ]
 
 
@@ -284,6 +290,7 @@ def test_aot_list_covers_every_kind_of_layer_format():
     assert seen["band_k_mode"] == {0, 1, 2} and seen["BAND_VALUE_CODES"] == {0, 1}
     assert seen["k_exact"] == seen["v_exact"] == seen["k_qjl"] == {0, 1}
     assert seen["SOFTCAP"] == {0, 1}
+    assert seen["k_trellis_tail_biting"] == seen["v_trellis_tail_biting"] == {0, 1}
     switches = ("SOFTCAP",)
     listed = {
         (

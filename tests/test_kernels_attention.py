@@ -53,6 +53,10 @@ def small_splits_and_poison(monkeypatch):
     monkeypatch.setattr(geo, "DEFAULT_SPLITS", 8)
 
 
+#: a tail-biting trellis of 10 state bits, as the spec tokens tcq:tb make
+TAIL_BITING = {"trellis_state_bits": 10, "trellis_tail_biting": True}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -168,6 +172,29 @@ CASES = [
         window=4,
         once=True,
         steps=((0, 9), (9, 10), (10, 11), (11, 19), (19, 20)),
+    ),
+    Case(
+        "presets' format with tail-biting trellis codes (the band's too), stored once",
+        keys=("turboquant-mse", 3, TAIL_BITING),
+        values=("turboquant-mse", 2, TAIL_BITING),
+        band=8,
+        n_sink=1,
+        window=6,
+        mean=True,
+        norm_mantissa=6,
+        once=True,
+        steps=((0, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 19), (19, 20), (20, 25)),
+    ),
+    Case(
+        "prod keys and values by a trellis read from 0, exact band",
+        keys=("turboquant-prod", 4, {"qjl_sketch": "orthogonal", "trellis_state_bits": 9}),
+        values=("turboquant-mse", 1, {"trellis_state_bits": 9}),
+        band="exact",
+        n_sink=1,
+        window=4,
+        d=128,
+        group=4,
+        kv_heads=1,
     ),
     Case(
         "a band stored once, longer than a key tile, in a sliding window",

@@ -11,6 +11,7 @@ import itertools
 import math
 
 import pytest
+import tiny_models
 import torch
 from scipy import stats
 from test_hf import seed_of, tiny_model
@@ -119,18 +120,25 @@ def test_keys_and_values_use_the_trellis_and_the_band_does_not(rng):
     assert not any(q.trellis for q in tail_plan.key_band.quantizers())
 
 
-def test_the_gpu_kernels_refuse_the_trellis_naming_its_token(rng):
-    quantizer = make_quantizer("turboquant-mse", 64, 3, trellis_state_bits=10)
-    with pytest.raises(ValueError, match="tcq"):
-        kernels.quantize(quantizer, torch.randn(2, 64, generator=rng), backend="triton")
-    model = tiny_model("llama", seed_of(rng))  # head_dim 16: the trellis is named first
-    cache = build_cache(model, CompressionConfig.parse("turboquant-mse:k3:v3:tcq"))
+def test_the_gpu_kernels_serve_the_trellis_and_its_encoder_is_the_torch_one(rng):
+    """A layer coded by a trellis passes the checks a CUDA cache runs, and ``kernels.quantize``
+    on the Triton backend writes the torch encoder's bytes (the Viterbi search has no kernel);
+    tests/test_kernels_attention.py checks what the attention kernel reads from them."""
+    for tail_biting in (False, True):
+        quantizer = make_quantizer(
+            "turboquant-mse", 64, 3, draw=seed_of(rng), trellis_state_bits=10,
+            trellis_tail_biting=tail_biting,
+        )  # fmt: skip
+        x = torch.randn(2, 5, 64, generator=rng)
+        got = kernels.quantize(quantizer, x, backend="triton")
+        expected = quantizer.quantize(x)
+        assert torch.equal(got.codes, expected.codes) and torch.equal(got.norms, expected.norms)
+        kernels.check_layer(VectorCodec([ChannelPart(quantizer, None)], 64), None)
+    model = tiny_models.tiny_model("llama", seed_of(rng))  # head_dim 64, which kernels serve
+    cache = build_cache(model, CompressionConfig.parse("turboquant-mse:k3:v3:tcq:tb"))
     layer = cache.layers[0]
-    with pytest.raises(ValueError, match="tcq"):
-        kernels.check_layer(layer.key_codec, layer.value_codec)
-    codec = VectorCodec([ChannelPart(quantizer, None)], 64)
-    with pytest.raises(ValueError, match="tcq"):
-        kernels.check_layer(codec, None)
+    assert layer.key_codec.parts[0].quantizer.trellis.tail_biting
+    kernels.check_layer(layer.key_codec, layer.value_codec)
 
 
 def test_the_allocation_ranks_layers_by_the_lloyd_max_table():

@@ -26,6 +26,7 @@ Import this module after ``TRITON_INTERPRET`` is set (on a CPU): it imports ``rq
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -213,6 +214,40 @@ def scores_check(head_dim: int, bits: int, group: int, draw: int, device: str) -
         "vs_float64": relative_error(scores, exact64),
         "vs_inner_product": relative_error(scores, estimator),
         "seconds": seconds,
+    }
+
+
+def trellis_scores_check(head_dim: int, bits: int, group: int, draw: int, device: str) -> dict:
+    """``fused_scores`` (Triton) on MSE keys coded by a tail-biting trellis (spec tokens
+    ``tcq:tb``) against float64 torch on the same symbols: ``{"tail_biting": error,
+    "read_from_0": error, "state_bits": L}``, the second the kernel launched on the same symbols
+    read from 0, a wrong reading that the comparison must reject."""
+    from rqlib.spec.config import TRELLIS_STATE_BITS
+
+    _poisoned()
+    shape = IRREGULAR
+    generator = torch.Generator().manual_seed(draw)
+    quantizer = make_quantizer(
+        VALUE_METHOD, head_dim, bits, draw=draw, trellis_state_bits=TRELLIS_STATE_BITS,
+        trellis_tail_biting=True,
+    )  # fmt: skip
+    keys = quantizer.quantize(
+        _gaussian(generator, device, shape.batch, shape.kv_heads, shape.scores_kv_len, head_dim) * 3
+    )
+    q = _gaussian(generator, device, shape.batch, shape.kv_heads * group, shape.q_len, head_dim)
+    scale = head_dim**-0.5
+    exact64 = reference.fused_scores(q.double(), keys, scale=scale, dtype=torch.float64)
+    from_0 = copy.copy(quantizer)
+    from_0.trellis = dataclasses.replace(quantizer.trellis, tail_biting=False)
+    misread = dataclasses.replace(keys, quantizer=from_0)
+    return {
+        "tail_biting": relative_error(
+            kernels.fused_scores(q, keys, scale=scale, backend="triton"), exact64
+        ),
+        "read_from_0": relative_error(
+            kernels.fused_scores(q, misread, scale=scale, backend="triton"), exact64
+        ),
+        "state_bits": TRELLIS_STATE_BITS,
     }
 
 

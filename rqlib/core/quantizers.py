@@ -190,6 +190,11 @@ class Quantizer:
             self.trellis = BitshiftTrellis(
                 state_bits=trellis_state_bits, draw=draw, tail_biting=trellis_tail_biting
             )
+        #: What a trellis register reads: its table scaled to a unit vector's coordinates
+        #: (float64, ``2^L`` values), the role the centroids play for Lloyd-Max codes.
+        self.trellis_levels: torch.Tensor | None = None
+        if self.trellis is not None:
+            self.trellis_levels = self.trellis.table / math.sqrt(self.rotated_dim)
         self.qjl_sketch = qjl_sketch
         self.qjl_dim = qjl_dim if self.has_qjl else 0
         if self.has_qjl:
@@ -293,21 +298,20 @@ class Quantizer:
 
     def trellis_code(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(symbols uint8, c_hat float32)`` of rotated unit vectors ``y [..., D]`` by the
-        trellis: the coordinates, scaled to unit variance (times sqrt(D)), are one sequence."""
-        scale = math.sqrt(self.rotated_dim)
-        flat = y.reshape(-1, self.rotated_dim).double().cpu() * scale
+        trellis, on ``y``'s device: the coordinates, scaled to unit variance (times sqrt(D)),
+        are one sequence."""
+        flat = y.reshape(-1, self.rotated_dim).double() * math.sqrt(self.rotated_dim)
         symbols = self.trellis.encode(flat, self.mse_bits)
-        c_hat = self.trellis.decode(symbols, self.mse_bits) / scale
-        return (
-            symbols.to(torch.uint8).reshape(y.shape).to(y.device),
-            c_hat.float().reshape(y.shape).to(y.device),
-        )
+        c_hat = self.trellis_values(symbols, torch.float32)
+        return symbols.to(torch.uint8).reshape(y.shape), c_hat.reshape(y.shape)
 
     def trellis_values(self, symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``c_hat [..., D]`` of stored trellis ``symbols [..., D]`` (the shift register)."""
-        flat = symbols.reshape(-1, self.rotated_dim).long().cpu()
-        values = self.trellis.decode(flat, self.mse_bits) / math.sqrt(self.rotated_dim)
-        return values.to(dtype).reshape(symbols.shape).to(symbols.device)
+        """``c_hat [..., D]`` of stored trellis ``symbols [..., D]``: the levels
+        (:attr:`trellis_levels`) at the shift register's states."""
+        flat = symbols.reshape(-1, self.rotated_dim)
+        states = self.trellis.states(flat, self.mse_bits)
+        values = self.trellis_levels.to(symbols.device)[states]
+        return values.to(dtype).reshape(symbols.shape)
 
     # -- decode ----------------------------------------------------------------------------
 

@@ -91,29 +91,33 @@ class BitshiftTrellis:
             )
         return steps
 
-    def _end_states(self, symbols: torch.Tensor, steps: list[int]) -> torch.Tensor:
-        """The register after every symbol of ``symbols [N, n]`` read from 0: ``[N, n]``."""
+    def _walk(
+        self, symbols: torch.Tensor, steps: list[int], start: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The register after every symbol of ``symbols [N, n]``, from the registers ``start
+        [N]`` (``None``: 0): ``[N, n]``, int64."""
         mask = (1 << self.state_bits) - 1
-        state = torch.zeros(symbols.shape[0], dtype=torch.long)
-        states = torch.empty(symbols.shape, dtype=torch.long)
+        state = torch.zeros(symbols.shape[0], dtype=torch.long, device=symbols.device)
+        if start is not None:
+            state = start.long()
+        states = torch.empty(symbols.shape, dtype=torch.long, device=symbols.device)
         for t, k in enumerate(steps):
             state = ((state << k) | symbols[:, t].long()) & mask
             states[:, t] = state
         return states
 
+    def states(self, symbols: torch.Tensor, bits) -> torch.Tensor:
+        """The register ``[N, n]`` (int64) at every step of symbols ``[N, n]`` of ``bits`` bits
+        (an int, or one per step): the index into :attr:`table` of each sample. Read from 0,
+        or tail-biting: from the register that a first walk from 0 ends in."""
+        steps = self._steps(bits, symbols.shape[1])
+        states = self._walk(symbols, steps)
+        return self._walk(symbols, steps, states[:, -1]) if self.tail_biting else states
+
     def decode(self, symbols: torch.Tensor, bits) -> torch.Tensor:
         """Samples ``[N, n]`` (float64) from symbols ``[N, n]`` of ``bits`` bits (an int, or a
         sequence of ``n`` ints: the width of each step)."""
-        steps = self._steps(bits, symbols.shape[1])
-        mask = (1 << self.state_bits) - 1
-        state = torch.zeros(symbols.shape[0], dtype=torch.long)
-        if self.tail_biting:
-            state = self._end_states(symbols, steps)[:, -1]
-        out = torch.empty(symbols.shape, dtype=torch.float64)
-        for t, k in enumerate(steps):
-            state = ((state << k) | symbols[:, t].long()) & mask
-            out[:, t] = self.table[state]
-        return out
+        return self.table.to(symbols.device)[self.states(symbols, bits)]
 
     def encode(self, x: torch.Tensor, bits) -> torch.Tensor:
         """Symbols ``[N, n]`` (int64) of the path of least squared error for ``x`` ``[N, n]``
@@ -127,7 +131,7 @@ class BitshiftTrellis:
         code = self._tail_biting if self.tail_biting else self._viterbi
         return torch.cat(
             [code(chunk, steps) for chunk in x.split(ENCODE_CHUNK)]
-            or [torch.zeros(0, x.shape[1], dtype=torch.long)]
+            or [torch.zeros(0, x.shape[1], dtype=torch.long, device=x.device)]
         )
 
     def _tail_biting(self, x: torch.Tensor, steps: list[int]) -> torch.Tensor:
@@ -135,7 +139,7 @@ class BitshiftTrellis:
         best path from that register among those that end where they started."""
         turn = x.shape[1] // 2
         turned = self._viterbi(x.roll(-turn, dims=1), steps[turn:] + steps[:turn])
-        seam = self._end_states(turned, steps[turn:] + steps[:turn])[:, -1 - turn]
+        seam = self._walk(turned, steps[turn:] + steps[:turn])[:, -1 - turn]
         return self._viterbi(x, steps, start=seam)
 
     def _viterbi(
@@ -143,9 +147,11 @@ class BitshiftTrellis:
     ) -> torch.Tensor:
         """The least-error symbols for ``x [N, n]`` from the register 0, or from the registers
         ``start [N]`` with the ends restricted to those whose last ``L - k_0`` bits match."""
-        n_seq = x.shape[0]
-        rows = torch.arange(n_seq)
-        cost = torch.full((n_seq, 1 << self.state_bits), torch.inf, dtype=torch.float64)
+        n_seq, device = x.shape[0], x.device
+        table = self.table.to(device)
+        rows = torch.arange(n_seq, device=device)
+        cost = torch.full((n_seq, 1 << self.state_bits), torch.inf, dtype=torch.float64,
+                          device=device)  # fmt: skip
         cost[rows, 0 if start is None else start] = 0.0
         pointers = []
         for t, k in enumerate(steps):
@@ -153,14 +159,14 @@ class BitshiftTrellis:
             # state h * fan + s (value table[h * fan + s]) follows the states top * tail + h
             best, top = cost.view(n_seq, fan, tail).min(dim=1)  # [N, tail]
             pointers.append(top.to(torch.uint8))
-            error = (x[:, t, None, None] - self.table.view(tail, fan)[None]).pow(2)
+            error = (x[:, t, None, None] - table.view(tail, fan)[None]).pow(2)
             cost = (best[:, :, None] + error).view(n_seq, -1)
         if start is not None:  # the decoder reads the register before step 0 from the end
             seam = (1 << (self.state_bits - steps[0])) - 1
-            ends = torch.arange(1 << self.state_bits)
+            ends = torch.arange(1 << self.state_bits, device=device)
             cost = cost.masked_fill((ends[None] & seam) != (start[:, None] & seam), torch.inf)
         state = cost.argmin(dim=1)
-        symbols = torch.empty(x.shape, dtype=torch.long)
+        symbols = torch.empty(x.shape, dtype=torch.long, device=device)
         for t in range(len(steps) - 1, -1, -1):
             k = steps[t]
             symbols[:, t] = state & ((1 << k) - 1)

@@ -184,7 +184,9 @@ def quantize(quantizer, x: torch.Tensor, *, backend: str | None = None, validate
 
     Rotation and normalization run in torch with the quantizer's own operations; bucketize,
     packing, residual, sketch, sign packing and the residual norm run in one Triton kernel
-    (see :mod:`rqlib.kernels.triton_quantize` for why the rotation stays in torch).
+    (see :mod:`rqlib.kernels.triton_quantize` for why the rotation stays in torch). A trellis
+    code has no quantize kernel: its encoder, a Viterbi search over ``2^L`` states, runs in
+    torch on ``x``'s device (the attention kernels read its codes).
     ``validate=False`` skips the checks that read values back to the host (finite input, no
     norm overflow).
     """
@@ -195,6 +197,8 @@ def quantize(quantizer, x: torch.Tensor, *, backend: str | None = None, validate
     if select_backend(x.device, backend) == "torch":
         return reference.quantize(quantizer, x, validate=validate)
     geo.check_quantizer(quantizer, "quantizer")
+    if getattr(quantizer, "trellis", None) is not None:
+        return reference.quantize(quantizer, x, validate=validate)
     return _launch_module().quantize(quantizer, x, validate=validate)
 
 

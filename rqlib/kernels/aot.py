@@ -77,6 +77,11 @@ KEY_POINTERS = {
     "rnorms_ptr": "fp16",
 }
 SCORES_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS, "BLOCK_S": geo.SCORES_BLOCK_S, "CHUNK": geo.CHUNK}
+#: the fused-score kernel's codes: Lloyd-Max, or a tail-biting trellis of 10 state bits
+SCORES_CODES = (
+    {"trellis_state_bits": 0, "trellis_tail_biting": 0},
+    {"trellis_state_bits": 10, "trellis_tail_biting": 1},
+)
 ATTENTION_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS}  # keys per tile: AttentionConfig.block_s
 #: uint8 buffers of the attention kernel (codes, norm streams, signs, the mask)
 ATTENTION_BYTES = (
@@ -94,17 +99,27 @@ ATTENTION_SCORE_TABLES = "k_table_ptr bk_table_ptr".split()
 
 
 def coded_layout(
-    head_dim: int, key_bits: int = 3, value_bits: int = 2, norm_bits: int = 11
+    head_dim: int,
+    key_bits: int = 3,
+    value_bits: int = 2,
+    norm_bits: int = 11,
+    trellis_state_bits: int = 0,
+    trellis_tail_biting: bool = False,
 ) -> dict:
     """The compile-time arguments of a layer whose keys and values are codes of the full head
-    dimension (``key_bits`` and ``value_bits`` bits) with ``norm_bits``-bit norms, no QJL, a
-    recent band of 8-bit codes and no softcap; the defaults are the presets' layout."""
+    dimension (``key_bits`` and ``value_bits`` bits; Lloyd-Max, or a trellis of
+    ``trellis_state_bits`` read tail-biting or not) with ``norm_bits``-bit norms, no QJL, a
+    recent band of 8-bit Lloyd-Max codes and no softcap; the defaults are the presets'
+    layout."""
     fmt = geo.StreamFormat
+    trellis = dict(trellis_state_bits=trellis_state_bits, trellis_tail_biting=trellis_tail_biting)
 
-    def codes(bits):
-        return fmt(dim=head_dim, bits=bits, norm_width=norm_bits)
+    def codes(bits, **options):
+        return fmt(dim=head_dim, bits=bits, norm_width=norm_bits, **options)
 
-    layout = geo.attention_formats(head_dim, codes(key_bits), codes(value_bits), codes(8), codes(8))
+    layout = geo.attention_formats(
+        head_dim, codes(key_bits, **trellis), codes(value_bits, **trellis), codes(8), codes(8)
+    )
     return {**layout, "SOFTCAP": 0}
 
 
@@ -119,7 +134,8 @@ def attention_layouts() -> list[tuple[dict, str]]:
     each dtype; every code width 1-8 for keys and for values, with each kind of band; QJL keys,
     with and without codes; exact keys with coded values and the reverse; the rotors' padded
     widths (at head_dim 256, values 258 wide: two value blocks); and softcapped scores at head
-    dims 128 and 256. Each is compiled in the configuration of its format
+    dims 128 and 256; the presets' layout with trellis codes (``tcq:tb``, and ``tcq`` read
+    from 0) at head dims 64 and 128. Each is compiled in the configuration of its format
     (:func:`rqlib.kernels.limits.attention_config`), the one a launch runs."""
     fmt, formats = geo.StreamFormat, geo.attention_formats
     exact = fmt(exact=True)
@@ -150,6 +166,10 @@ def attention_layouts() -> list[tuple[dict, str]]:
         (capped(formats(128, exact, codes(128, 4), exact, None), softcap=1), "fp16"),
         (capped(formats(128, codes(128, 4), exact, codes(128, 8), None)), "fp16"),
     ]
+    for d in (64, 128):  # trellis codes: the register is read from 0 or as a circle
+        for tail_biting in (False, True):
+            layout = coded_layout(d, trellis_state_bits=10, trellis_tail_biting=tail_biting)
+            layouts.append((layout, "fp16"))
     for d in (64, 128, 256):  # rotor blocks of three coordinates pad d to 3 * ceil(d / 3)
         rotated = codes(3 * ((d + 2) // 3), 3)
         layout = formats(d, rotated, rotated, rotated, rotated)
@@ -199,8 +219,16 @@ def specializations() -> list[Specialization]:
     fused-score, quantize and reduce kernels, and the attention kernel for each layout of
     :func:`attention_layouts`."""
     specs = [
-        Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS),
-        Specialization("fused_scores_kernel", SCORES_TILE, KEY_POINTERS, ones=("group", "q_len")),
+        *(
+            Specialization("fused_scores_kernel", {**SCORES_TILE, **codes}, KEY_POINTERS)
+            for codes in SCORES_CODES
+        ),
+        Specialization(
+            "fused_scores_kernel",
+            {**SCORES_TILE, **SCORES_CODES[0]},
+            KEY_POINTERS,
+            ones=("group", "q_len"),
+        ),
         Specialization(
             "quantize_kernel",
             {"BLOCK_N": geo.BLOCK_N, "CHUNK": geo.CHUNK},

@@ -53,7 +53,7 @@ def _key_arguments(keys):
     has_qjl = qz.has_qjl
     signs = _last_dim_contiguous(keys.qjl_signs) if has_qjl else codes
     rnorms = keys.residual_norms if has_qjl else norms
-    centroids = qz.centroids.to(device=norms.device, dtype=torch.float32).contiguous()
+    centroids = numerics.code_levels(qz).to(norms.device).contiguous()
     if centroids.numel() == 0:
         centroids = torch.zeros(1, dtype=torch.float32, device=norms.device)
     tensors = (codes, norms, signs, rnorms, centroids)
@@ -108,6 +108,7 @@ def fused_scores(q: torch.Tensor, keys, scale: float, out: torch.Tensor | None) 
         BLOCK_ROWS=geo.BLOCK_ROWS,
         BLOCK_S=geo.SCORES_BLOCK_S,
         CHUNK=geo.CHUNK,
+        **geo.trellis_constexprs(keys.quantizer),
         num_warps=geo.NUM_WARPS,
     )
     return out

@@ -187,11 +187,6 @@ def rotated_dims(head_dim: int) -> set[int]:
 
 def check_quantizer(quantizer, name: str) -> None:
     """Raise ``ValueError`` unless the kernels support ``quantizer``'s geometry."""
-    if getattr(quantizer, "trellis", None) is not None:
-        raise ValueError(
-            f"{name}: the trellis code (spec token tcq) has no Triton kernel; on CUDA use a "
-            "config without tcq (it runs on the CPU's torch path)"
-        )
     if quantizer.d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
             f"{name}: head_dim {quantizer.d} has no kernel; supported head dims are "
@@ -208,6 +203,16 @@ def check_quantizer(quantizer, name: str) -> None:
         raise ValueError(
             f"{name}: qjl_dim {quantizer.qjl_dim} has no kernel; supported: 1..{MAX_QJL_DIM}"
         )
+
+
+def trellis_constexprs(quantizer, prefix: str = "") -> dict[str, int]:
+    """The compile-time arguments ``<prefix>trellis_state_bits`` (``L``, 0 without a trellis)
+    and ``<prefix>trellis_tail_biting`` of a quantizer's codes (``None``: exact vectors)."""
+    trellis = getattr(quantizer, "trellis", None)
+    return {
+        f"{prefix}trellis_state_bits": trellis.state_bits if trellis is not None else 0,
+        f"{prefix}trellis_tail_biting": int(trellis is not None and trellis.tail_biting),
+    }
 
 
 def check_compressed(c, name: str, ndim: int) -> None:
@@ -313,13 +318,17 @@ def check_state(state) -> None:
 class StreamFormat:
     """How one stream of a layer stores its vectors, as the attention kernel compiles it: exact
     vectors, or ``bits``-bit codes of ``dim`` rotated coordinates with ``norm_width``-bit norms
-    and, for keys, ``qjl`` sign bits (0: no QJL; ``dim`` is 0 for a QJL-only quantizer)."""
+    and, for keys, ``qjl`` sign bits (0: no QJL; ``dim`` is 0 for a QJL-only quantizer); codes
+    of a trellis have ``trellis_state_bits`` bits of state (0: Lloyd-Max codes) and may be read
+    tail-biting."""
 
     exact: bool = False
     dim: int = 0
     bits: int = 0
     qjl: int = 0
     norm_width: int = 0
+    trellis_state_bits: int = 0
+    trellis_tail_biting: bool = False
 
     @classmethod
     def of(cls, stream) -> StreamFormat:
@@ -328,11 +337,14 @@ class StreamFormat:
         if stream is None or getattr(stream, "is_exact", False):
             return cls(exact=True)
         qz = stream.parts[0].quantizer
+        trellis = trellis_constexprs(qz)
         return cls(
             dim=qz.rotated_dim if qz.mse_bits else 0,
             bits=qz.mse_bits,
             qjl=qz.qjl_dim if qz.has_qjl else 0,
             norm_width=qz.norm_bits,
+            trellis_state_bits=trellis["trellis_state_bits"],
+            trellis_tail_biting=bool(trellis["trellis_tail_biting"]),
         )
 
     @property
@@ -342,13 +354,16 @@ class StreamFormat:
 
     def constexprs(self, prefix: str) -> dict[str, int]:
         """The kernel's compile-time arguments ``<prefix>_dim``, ``_bits``, ``_code_bytes``,
-        ``_width`` (all 0 for exact vectors)."""
+        ``_width``, ``_trellis_state_bits``, ``_trellis_tail_biting`` (all 0 for exact
+        vectors)."""
         coded = not self.exact
         return {
             f"{prefix}_dim": self.dim * coded,
             f"{prefix}_bits": self.bits * coded,
             f"{prefix}_code_bytes": self.code_bytes * coded,
             f"{prefix}_width": self.norm_width * coded,
+            f"{prefix}_trellis_state_bits": self.trellis_state_bits * coded,
+            f"{prefix}_trellis_tail_biting": int(self.trellis_tail_biting and coded),
         }
 
 

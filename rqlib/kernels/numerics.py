@@ -7,7 +7,8 @@ choices make that an exact statement about what it computes:
 - **The kernel's codebook is the codebook rounded to fp16** (:func:`kernel_centroids`): every
   centroid moves by at most ``2^-11`` of itself (:data:`CODEBOOK_ROUNDING`), a fixed change of
   the codebook, not a rounding of each product. The torch implementation reads the float32
-  codebook.
+  codebook. For a trellis code the codebook is the trellis's levels (:func:`code_levels`),
+  indexed by the shift register instead of the code.
 - **The attention kernel's scores read the keys' codebook from a table of centroid pairs**
   (:func:`kernel_table`): for codes of up to :data:`PAIR_MAX_BITS` bits, entry ``i + 2^b j``
   holds centroids ``i`` and ``j``, so the ``2b`` bits of two adjacent codes in a packed row
@@ -37,6 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "CODEBOOK_DTYPE",
+    "code_levels",
     "CODEBOOK_ROUNDING",
     "PART_REMAINDER",
     "PAIR_DTYPES",
@@ -74,6 +76,15 @@ _CENTROID_BITS = {torch.float16: torch.int16, torch.float32: torch.int32}
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # quantizer -> its tables
 
 
+def code_levels(quantizer) -> torch.Tensor:
+    """The float32 values a quantizer's stored codes read: its centroids (indexed by a code),
+    or for a trellis code its levels (``trellis_levels``, ``2^L`` values indexed by the shift
+    register at the code: ``triton_common.trellis_states``). Empty without codes."""
+    if getattr(quantizer, "trellis", None) is not None:
+        return quantizer.trellis_levels.to(torch.float32)
+    return quantizer.centroids.to(torch.float32)
+
+
 def kernel_centroids(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> torch.Tensor:
     """The attention kernel's codebook for ``quantizer``: its centroids rounded to fp16 (to
     nearest), on ``device``, held in ``dtype`` (fp16, or float32 for the scores on the CUDA
@@ -82,7 +93,7 @@ def kernel_centroids(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> 
     tables = _TABLES.setdefault(quantizer, {})
     key = (torch.device(device), dtype)
     if key not in tables:
-        centroids = quantizer.centroids
+        centroids = code_levels(quantizer)
         if centroids.numel() == 0:
             table = torch.zeros(1, dtype=dtype, device=device)
         else:
@@ -169,11 +180,14 @@ def table_halves(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kernel_quantizer(quantizer):
-    """A copy of ``quantizer`` that decodes with the kernel's codebook (its float32 centroids
-    replaced by the values of :func:`kernel_centroids`); it stores codes exactly as
-    ``quantizer`` does (same boundaries, rotation and sketch)."""
+    """A copy of ``quantizer`` that decodes with the kernel's codebook (its float32 centroids,
+    or a trellis's levels, replaced by the values of :func:`kernel_centroids`); it stores codes
+    exactly as ``quantizer`` does (same boundaries, rotation and sketch)."""
     rounded = copy.copy(quantizer)
-    if quantizer.centroids.numel():
+    if getattr(quantizer, "trellis", None) is not None:
+        levels = kernel_centroids(quantizer, quantizer.trellis_levels.device)
+        rounded.trellis_levels = levels.to(torch.float64)
+    elif quantizer.centroids.numel():
         device = quantizer.centroids.device
         rounded.centroids = kernel_centroids(quantizer, device).to(torch.float32)
     return rounded

@@ -35,8 +35,9 @@ parts (:func:`~rqlib.kernels.triton_common.split_dot`). QJL signs and every prod
 vectors are IEEE fp32 on the CUDA cores.
 
 Formats are compile-time: the head dimension, which streams are exact or codes, code widths,
-rotated dimensions and norm widths (:func:`rqlib.kernels.limits.attention_formats`), and so is
-whether scores are softcapped (``SOFTCAP``). A specialization holds only the loads and
+rotated dimensions, norm widths and, for trellis codes, the trellis's state bits and whether
+it is read tail-biting (:func:`rqlib.kernels.limits.attention_formats`), and so is whether
+scores are softcapped (``SOFTCAP``). A specialization holds only the loads and
 unpacking of the layer it serves, with its shifts and masks folded into constants, and reads
 eight codes a load where the width allows
 (:func:`~rqlib.kernels.triton_common.load_code_groups`). The QJL sketch dimension stays a
@@ -116,14 +117,15 @@ def load_norms(row_ptr, slots, width):
 def code_values(
     codes_ptr, slots, stride_s, key_mask, bits: tl.constexpr, code_bytes: tl.constexpr,
     centroids_ptr, width: tl.constexpr, col0, BLOCK_V: tl.constexpr,
+    trellis_state_bits: tl.constexpr, trellis_tail_biting: tl.constexpr,
 ):  # fmt: skip
     """The centroids ``c[codes]`` of the keys' slots, columns ``col0 ..`` of the rotated space,
-    ``[BLOCK_S, BLOCK_V]``, fp16, from the codebook ``centroids_ptr``
-    (``triton_common.code_centroids``)."""
+    ``[BLOCK_S, BLOCK_V]``, fp16, from the codebook ``centroids_ptr``, or a trellis's levels
+    at its shift registers (``triton_common.code_centroids``)."""
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     return code_centroids(
         rows_ptr, col0, key_mask, width, bits, code_bytes, centroids_ptr, BLOCK_V,
-        group_loads(bits, width, BLOCK_V), False,
+        group_loads(bits, width, BLOCK_V), False, trellis_state_bits, trellis_tail_biting,
     )  # fmt: skip
 
 
@@ -298,9 +300,11 @@ def stream_loop(
     # compile-time: the stream's formats (0 for exact vectors), and how its keys are found
     k_exact: tl.constexpr, k_dim: tl.constexpr, k_bits: tl.constexpr,
     k_code_bytes: tl.constexpr, k_qjl: tl.constexpr, k_width: tl.constexpr,
+    k_trellis_state_bits: tl.constexpr, k_trellis_tail_biting: tl.constexpr,
     v_exact: tl.constexpr, v_dim: tl.constexpr, v_bits: tl.constexpr,
-    v_code_bytes: tl.constexpr, v_width: tl.constexpr, V_OWN_SLOTS: tl.constexpr,
-    RING: tl.constexpr, head_dim: tl.constexpr, SOFTCAP: tl.constexpr,
+    v_code_bytes: tl.constexpr, v_width: tl.constexpr,
+    v_trellis_state_bits: tl.constexpr, v_trellis_tail_biting: tl.constexpr,
+    V_OWN_SLOTS: tl.constexpr, RING: tl.constexpr, head_dim: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
     CHUNK: tl.constexpr, SCORE_TENSOR_CORES: tl.constexpr,
 ):  # fmt: skip
@@ -336,6 +340,7 @@ def stream_loop(
                 q_ptr, q_rows, row_mask, k_dim, k_codes, slots, k_stride_cs, loaded,
                 k_bits, k_code_bytes, k_table, BLOCK_ROWS, BLOCK_S, CHUNK,
                 group_loads(k_bits, k_dim, CHUNK), SCORE_TENSOR_CORES, True,
+                k_trellis_state_bits, k_trellis_tail_biting,
             ) * norms[None, :]  # fmt: skip
             scores = scores * q_scale[:, None] + mean[:, None]
             if k_qjl > 0:
@@ -367,7 +372,7 @@ def stream_loop(
             v_norms_tile = load_norms(v_norms, v_slots, v_width)
             centroids = code_values(
                 v_codes, v_slots, v_stride_cs, loaded, v_bits, v_code_bytes, v_centroids,
-                v_dim, v_col0, BLOCK_V,
+                v_dim, v_col0, BLOCK_V, v_trellis_state_bits, v_trellis_tail_biting,
             )  # fmt: skip
             acc = split_dot(p * v_norms_tile[None, :], centroids, acc)
     return m_i, l_i, acc
@@ -425,12 +430,16 @@ def attention_kernel(
     head_dim: tl.constexpr,
     k_exact: tl.constexpr, k_dim: tl.constexpr, k_bits: tl.constexpr,
     k_code_bytes: tl.constexpr, k_qjl: tl.constexpr, k_width: tl.constexpr,
+    k_trellis_state_bits: tl.constexpr, k_trellis_tail_biting: tl.constexpr,
     v_exact: tl.constexpr, v_dim: tl.constexpr, v_bits: tl.constexpr,
     v_code_bytes: tl.constexpr, v_width: tl.constexpr,
+    v_trellis_state_bits: tl.constexpr, v_trellis_tail_biting: tl.constexpr,
     band_k_mode: tl.constexpr, bk_dim: tl.constexpr, bk_bits: tl.constexpr,
     bk_code_bytes: tl.constexpr, bk_width: tl.constexpr,
+    bk_trellis_state_bits: tl.constexpr, bk_trellis_tail_biting: tl.constexpr,
     BAND_VALUE_CODES: tl.constexpr, bv_dim: tl.constexpr, bv_bits: tl.constexpr,
     bv_code_bytes: tl.constexpr, bv_width: tl.constexpr,
+    bv_trellis_state_bits: tl.constexpr, bv_trellis_tail_biting: tl.constexpr,
     # compile-time: tiles, and whether the scores of codes run on tensor cores (the
     # configuration: limits.attention_config)
     BLOCK_V: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
@@ -488,7 +497,9 @@ def attention_kernel(
         causal, window, has_mask, mask_b, stride_mt, stride_mk, mask_len, mask_offset,
         score_scale, softcap_base2, v_col0,
         k_exact, k_dim, k_bits, k_code_bytes, k_qjl, k_width,
-        v_exact, v_dim, v_bits, v_code_bytes, v_width, True,
+        k_trellis_state_bits, k_trellis_tail_biting,
+        v_exact, v_dim, v_bits, v_code_bytes, v_width,
+        v_trellis_state_bits, v_trellis_tail_biting, True,
         True, head_dim, SOFTCAP, BLOCK_ROWS, BLOCK_S, BLOCK_V, CHUNK, SCORE_TENSOR_CORES,
     )  # fmt: skip
     store_partial(
@@ -517,7 +528,9 @@ def attention_kernel(
         causal, window, has_mask, mask_b, stride_mt, stride_mk, mask_len, mask_offset,
         score_scale, softcap_base2, v_col0,
         band_k_mode != 2, bk_dim, bk_bits, bk_code_bytes, 0, bk_width,
-        not BAND_VALUE_CODES, bv_dim, bv_bits, bv_code_bytes, bv_width, BAND_VALUE_CODES,
+        bk_trellis_state_bits, bk_trellis_tail_biting,
+        not BAND_VALUE_CODES, bv_dim, bv_bits, bv_code_bytes, bv_width,
+        bv_trellis_state_bits, bv_trellis_tail_biting, BAND_VALUE_CODES,
         True, head_dim, SOFTCAP, BLOCK_ROWS, BLOCK_S, BLOCK_V, CHUNK, SCORE_TENSOR_CORES,
     )  # fmt: skip
     store_partial(
@@ -539,8 +552,8 @@ def attention_kernel(
         v_centroids_ptr, sink_v_cap, 0, sink_stride_vs,
         causal, window, has_mask, mask_b, stride_mt, stride_mk, mask_len, mask_offset,
         score_scale, softcap_base2, v_col0,
-        True, 0, 0, 0, 0, 0,
-        True, 0, 0, 0, 0, False,
+        True, 0, 0, 0, 0, 0, 0, False,
+        True, 0, 0, 0, 0, 0, False, False,
         False, head_dim, SOFTCAP, BLOCK_ROWS, BLOCK_S, BLOCK_V, CHUNK, SCORE_TENSOR_CORES,
     )  # fmt: skip
     store_partial(

@@ -9,6 +9,12 @@ first byte always and the second only where the code straddles, so widths that d
 (1, 2, 4, 8) read each byte once. Where the width and the dimension are compile-time (the
 attention kernel), :func:`load_code_groups` reads eight codes a load instead of one.
 
+A trellis code (:mod:`rqlib.core.trellis`) is stored the same way, one ``b``-bit symbol a
+coordinate, but a coordinate's value is read at the shift register that ends at its symbol:
+``state_c = sum_j code_{c - j} 2^(j b) mod 2^L``, the codes before the first read as 0 or, in a
+tail-biting trellis, from the end of the row (:func:`trellis_states`): ``ceil(L / b)`` code
+reads a coordinate instead of one, the levels read from a table of ``2^L``.
+
 Products: IEEE fp32 on the CUDA cores, or on fp16 tensor cores to float32 accuracy with
 :func:`split_dot` (the attention kernel's products with codebook values).
 """
@@ -230,19 +236,50 @@ def split_dot(x, y, acc):
 
 
 @triton.jit
+def trellis_states(
+    rows_ptr, cols, mask, dim, bits, code_bytes, trellis_state_bits: tl.constexpr,
+    trellis_tail_biting: tl.constexpr,
+):  # fmt: skip
+    """The shift registers of a trellis code at coordinates ``cols`` of the packed rows
+    ``rows_ptr`` ([ROWS, 1]) of ``dim`` symbols: ``state_c = sum_j code_{c - j} 2^(j bits)``
+    over the ``ceil(L / bits)`` symbols that end at ``c``, kept to ``L`` bits. Symbols before the
+    first are 0, or with ``trellis_tail_biting`` those at the end of the row (the register read
+    as a circle). Int32 [ROWS, CHUNK]; 0 outside ``mask``."""
+    states = tl.zeros(mask.shape, dtype=tl.int32)
+    for lag in range(0, (trellis_state_bits + bits - 1) // bits):
+        source = cols - lag
+        if trellis_tail_biting:
+            source = tl.where(source < 0, source + dim, source)
+        read = mask & (source >= 0)[None, :]
+        states = states | (load_codes(rows_ptr, source, read, bits, code_bytes) << (lag * bits))
+    return states & ((1 << trellis_state_bits) - 1)
+
+
+@triton.jit
 def code_centroids(
     rows_ptr, col0, key_mask, dim, bits, code_bytes, table_ptr, CHUNK: tl.constexpr,
-    GROUPS: tl.constexpr, PAIRS: tl.constexpr,
+    GROUPS: tl.constexpr, PAIRS: tl.constexpr, trellis_state_bits: tl.constexpr = 0,
+    trellis_tail_biting: tl.constexpr = False,
 ):  # fmt: skip
     """The centroids of codes ``col0 .. col0 + CHUNK - 1`` of the packed rows ``rows_ptr``
     ([ROWS, 1]) of ``dim`` codes, [ROWS, CHUNK] (0 past the row and for masked keys). With
     ``PAIRS`` ``table_ptr`` is a table of centroid pairs
     (:func:`rqlib.kernels.numerics.kernel_table`), read two centroids a load where ``GROUPS``
     (the codes read eight at a time: compile-time ``bits`` and ``dim`` that
-    :func:`group_loads` accepts) and ``bits <= PAIR_BITS``; without, a codebook."""
+    :func:`group_loads` accepts) and ``bits <= PAIR_BITS``; without, a codebook. A trellis code
+    (``trellis_state_bits`` ``L`` > 0) reads the table's first ``2^L`` entries at the shift
+    registers (:func:`trellis_states`)."""
     cols = col0 + tl.arange(0, CHUNK)
     mask = key_mask[:, None] & (cols < dim)[None, :]
-    if PAIRS:
+    if trellis_state_bits > 0:
+        states = trellis_states(
+            rows_ptr, cols, mask, dim, bits, code_bytes, trellis_state_bits, trellis_tail_biting
+        )
+        if PAIRS:
+            centroids = load_centroids(table_ptr, states, mask)
+        else:
+            centroids = tl.load(table_ptr + states, mask=mask, other=0.0)
+    elif PAIRS:
         if GROUPS and bits <= PAIR_BITS:
             centroids = load_centroid_pairs(
                 rows_ptr, col0, key_mask, bits, code_bytes, table_ptr, CHUNK
@@ -275,6 +312,7 @@ def code_scores(
     q_ptr, q_rows, row_mask, dim, codes_ptr, slots, stride_s, key_mask, bits, code_bytes,
     centroids_ptr, BLOCK_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
     GROUPS: tl.constexpr = False, TENSOR_CORES: tl.constexpr = False, PAIRS: tl.constexpr = False,
+    trellis_state_bits: tl.constexpr = 0, trellis_tail_biting: tl.constexpr = False,
 ):  # fmt: skip
     """``<q_row, c[codes_key]>`` for rows x keys, CHUNK coordinates at a time (codes read
     eight at a time with ``GROUPS``: compile-time ``bits`` and ``dim`` that
@@ -282,7 +320,8 @@ def code_scores(
     ``PAIRS`` a table of centroid pairs of either (:func:`code_centroids`). IEEE fp32
     on the CUDA cores, or with ``TENSOR_CORES`` :func:`split_dot` on fp16 tensor cores, for an
     fp16 codebook and query rows within fp16's range
-    (:func:`rqlib.kernels.numerics.scaled_rows`): the same sums to float32 accuracy."""
+    (:func:`rqlib.kernels.numerics.scaled_rows`): the same sums to float32 accuracy. A trellis
+    code (``trellis_state_bits`` > 0) reads its levels at the shift registers."""
     cols = tl.arange(0, CHUNK)
     rows_ptr = codes_ptr + slots.to(tl.int64)[:, None] * stride_s
     acc = tl.zeros((BLOCK_ROWS, BLOCK_S), dtype=tl.float32)
@@ -291,8 +330,9 @@ def code_scores(
         c_mask = c < dim
         q_tile = query_chunk(q_ptr, q_rows, row_mask, dim, c, c_mask)
         k_tile = code_centroids(
-            rows_ptr, c0, key_mask, dim, bits, code_bytes, centroids_ptr, CHUNK, GROUPS, PAIRS
-        )
+            rows_ptr, c0, key_mask, dim, bits, code_bytes, centroids_ptr, CHUNK, GROUPS, PAIRS,
+            trellis_state_bits, trellis_tail_biting,
+        )  # fmt: skip
         if TENSOR_CORES:
             acc = split_dot(q_tile, tl.trans(k_tile), acc)
         else:

@@ -27,7 +27,9 @@ The rows of a program are the query heads of one GQA group times the query posit
 reads kv head h // group), so a key tile is decoded once for the whole group. Both dot
 products are ``tl.dot`` of the 16 rows against the decoded key tile, CHUNK = 32 coordinates at a
 time, in IEEE fp32 (``input_precision="ieee"``: the tests demand 1e-5 relative error, which
-TF32's 10-bit mantissa would not meet).
+TF32's 10-bit mantissa would not meet). A trellis code (compile-time ``trellis_state_bits``
+and ``trellis_tail_biting``) reads its levels at the shift registers of its symbols
+(``triton_common.trellis_states``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def fused_scores_kernel(
     norms_ptr,  # fp16 [batch, kv_heads, kv_len]
     signs_ptr,  # uint8 [batch, kv_heads, kv_len, sign_bytes]
     rnorms_ptr,  # fp16 [batch, kv_heads, kv_len]
-    centroids_ptr,  # fp32 [2**bits]
+    centroids_ptr,  # fp32 [2**bits], or a trellis's 2**L levels
     out_ptr,  # fp32 [batch, q_heads, q_len, kv_len], contiguous
     kv_heads,
     group,
@@ -74,6 +76,8 @@ def fused_scores_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
+    trellis_state_bits: tl.constexpr,
+    trellis_tail_biting: tl.constexpr,
 ):
     """Write scores for one (batch*kv head, row block, key block) tile; see the module doc."""
     pid_bh = tl.program_id(0)
@@ -96,6 +100,7 @@ def fused_scores_kernel(
     mse = code_scores(
         q_rot_ptr, q_rows, row_mask, rotated_dim, code_base, keys, stride_cs, key_mask, bits,
         code_bytes, centroids_ptr, BLOCK_ROWS, BLOCK_S, CHUNK,
+        trellis_state_bits=trellis_state_bits, trellis_tail_biting=trellis_tail_biting,
     )  # fmt: skip
     sign_base = signs_ptr + b.to(tl.int64) * stride_sb + kvh * stride_sh
     qjl = sign_scores(
