@@ -195,9 +195,10 @@ def test_a_config_the_kernel_cannot_serve_is_refused_when_built_on_cuda(rng, mon
 def test_generate_with_trellis_codes_through_the_kernels_matches_the_torch_path(kind, rng):
     """The presets' format with tail-biting trellis codes (``tcq:tb``) and a recent band of 4
     tokens, so that the prompt and every generated token leave the band for the main streams,
-    where the attention kernel reads the trellis's shift registers (the quantize step runs the
-    trellis's encoder in torch on both paths). Tolerances as for the presets (module doc): a
-    Viterbi path may also change where the two paths' hidden states differ by rounding."""
+    where the attention kernel reads the trellis's shift registers (the kernels' path searches
+    the trellis with its encoder kernel, the torch path in torch). Tolerances as for the
+    presets (module doc): a Viterbi path may also change where the two paths' hidden states
+    differ by rounding."""
     model = tiny_model(kind, int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
     config = preset_config("rq-3", model).replace(
         recent_window=4, trellis_state_bits=10, trellis_tail_biting=True

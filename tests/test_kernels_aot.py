@@ -28,8 +28,10 @@ REQUIRED_ARCHS = {"sm_80", "sm_90"}
 #: every head dim and exact dtype, spills nothing; the other formats of the covering set spill
 #: at most MAX_ATTENTION_SPILL bytes (the most measured: 304 at sm_80, 64 at sm_90, a format
 #: with QJL keys in eight warps on the CUDA cores; on the tensor cores the same format spilled
-#: over a kilobyte, which fails).
-SPILLING: set[str] = set()
+#: over a kilobyte, which fails). Of the others, the trellis encoder read from 0 keeps one
+#: register on the stack at sm_80 (an 8-byte frame: one store, one load a step of its search);
+#: a kernel not named here spills nothing.
+SPILLING: dict[str, int] = {"trellis_encode_kernel": 8}
 MAX_ATTENTION_SPILL = 512
 
 
@@ -68,8 +70,9 @@ def test_every_specialization_compiles_for_sm80_and_sm90(tmp_path):
     labels = {spec.label for spec in specializations()}
     assert {(r["kernel"], r["arch"]) for r in records} == set(itertools.product(labels, archs))
     others = [r for r in records if not r["kernel"].startswith("attention_kernel[")]
-    spilling = {r["kernel"].split("[")[0] for r in others if r.get("stack", 0) > 0}
-    assert spilling == SPILLING, f"kernels that spill: {spilling}, expected {SPILLING}"
+    spills = [(r["kernel"], r["arch"], r.get("stack", 0)) for r in others]
+    over = [s for s in spills if s[2] > SPILLING.get(s[0].split("[")[0], 0)]
+    assert not over, f"kernels that spill more than SPILLING allows: {over}"
     assert all(0 < r["occupancy"] <= 1 for r in records)
     stacks = {(r["kernel"], r["arch"]): r.get("stack", 0) for r in records}
     for d, dtype, arch in itertools.product(

@@ -1,6 +1,7 @@
 """The trellis code in the cache (spec token ``tcq``): the quantizer, the spec, the bit
-accounting and the refusal of the GPU kernels (the cache's attention over trellis codes is
-``test_hf.py::test_layer_attention_matches_the_definition``).
+accounting and the encoder's kernel (the cache's attention over trellis codes is
+``test_hf.py::test_layer_attention_matches_the_definition``, the kernels' in
+``test_kernels_attention.py``).
 
 The one statistical check is a sign test whose false-failure rate is derived in its docstring.
 """
@@ -21,6 +22,8 @@ from rqlib.core.estimator import centroid_values
 from rqlib.core.quantizers import make_quantizer
 from rqlib.hf import build_cache
 from rqlib.hf.codec import ChannelPart, VectorCodec
+from rqlib.kernels import launch
+from rqlib.kernels import limits as geo
 from rqlib.spec.bits import average_bits
 from rqlib.spec.codecs import layer_plan
 from rqlib.spec.config import TRELLIS_STATE_BITS, CompressionConfig
@@ -120,9 +123,47 @@ def test_keys_and_values_use_the_trellis_and_the_band_does_not(rng):
     assert not any(q.trellis for q in tail_plan.key_band.quantizers())
 
 
-def test_the_gpu_kernels_serve_the_trellis_and_its_encoder_is_the_torch_one(rng):
+@pytest.mark.parametrize(
+    ("state_bits", "bits", "tail_biting", "dim"),
+    [
+        (10, 3, True, 64),
+        (10, 2, True, 128),
+        (10, 3, False, 64),
+        (9, 1, True, 37),
+        (12, 5, True, 64),
+    ],
+)
+def test_the_viterbi_kernel_finds_the_torch_search_s_path(
+    state_bits, bits, tail_biting, dim, rng, monkeypatch
+):
+    """The encoder kernel (interpreted) writes the symbols of the torch search and the levels at
+    their registers, row for row: exactly, since it runs the same float64 operations in the same
+    order. Three rows a launch (so that seven take three launches, the last one short), every
+    output and scratch buffer poisoned first, and a row length that is no power of two."""
+    monkeypatch.setattr(launch, "POISON_BUFFERS", True)
+    monkeypatch.setattr(geo, "TRELLIS_SCRATCH_BYTES", 3 * dim << (state_bits - bits))
+    quantizer = make_quantizer(
+        "turboquant-mse", 64, bits, draw=seed_of(rng), trellis_state_bits=state_bits,
+        trellis_tail_biting=tail_biting,
+    )  # fmt: skip
+    samples = torch.randn(7, dim, dtype=torch.float64, generator=rng)
+    symbols, values = launch.trellis_search(quantizer, samples)
+    expected = quantizer.trellis.encode(samples, bits)
+    assert torch.equal(symbols.long(), expected)
+    states = quantizer.trellis.states(expected, bits)
+    assert torch.equal(values, quantizer.trellis_levels[states].float())
+
+
+def test_the_kernels_refuse_a_trellis_longer_than_the_encoder_holds(rng):
+    state_bits = geo.MAX_TRELLIS_STATE_BITS + 1
+    quantizer = make_quantizer("turboquant-mse", 64, 3, trellis_state_bits=state_bits)
+    with pytest.raises(ValueError, match=f"tcq={state_bits} has no encoder kernel"):
+        kernels.quantize(quantizer, torch.randn(2, 64, generator=rng), backend="triton")
+
+
+def test_the_gpu_kernels_serve_the_trellis_and_write_the_torch_encoder_s_bytes(rng):
     """A layer coded by a trellis passes the checks a CUDA cache runs, and ``kernels.quantize``
-    on the Triton backend writes the torch encoder's bytes (the Viterbi search has no kernel);
+    on the Triton backend (the encoder kernel) writes the torch encoder's bytes;
     tests/test_kernels_attention.py checks what the attention kernel reads from them."""
     for tail_biting in (False, True):
         quantizer = make_quantizer(

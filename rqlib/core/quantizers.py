@@ -268,14 +268,17 @@ class Quantizer:
         unit = x / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
         return norms, self.rotation.apply(unit)
 
-    def quantize(self, x: torch.Tensor, validate: bool = True) -> CompressedVectors:
+    def quantize(
+        self, x: torch.Tensor, validate: bool = True, trellis_search=None
+    ) -> CompressedVectors:
         """Compress ``x [..., d]`` (float16/bfloat16/float32/float64; computed in float32).
 
         ``validate=False`` skips the checks that read values back to the host (finite inputs,
-        no norm overflow): for callers that check finiteness themselves."""
+        no norm overflow): for callers that check finiteness themselves. ``trellis_search``
+        replaces the torch search of a trellis code (:meth:`trellis_code`)."""
         norms, y = self.rotated_unit(x, validate)
         if self.trellis is not None:
-            indices, c_hat = self.trellis_code(y)
+            indices, c_hat = self.trellis_code(y, trellis_search)
             codes = pack_bits(indices, self.mse_bits, validate=False)
         elif self.mse_bits:
             indices = torch.bucketize(y.contiguous(), self.boundaries.to(y.device)).to(torch.uint8)
@@ -296,14 +299,18 @@ class Quantizer:
             codes, self.store_norms(norms, validate=validate), qjl_signs, residual_norms, self
         )
 
-    def trellis_code(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def trellis_code(self, y: torch.Tensor, search=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(symbols uint8, c_hat float32)`` of rotated unit vectors ``y [..., D]`` by the
         trellis, on ``y``'s device: the coordinates, scaled to unit variance (times sqrt(D)),
-        are one sequence."""
+        are one sequence. ``search(quantizer, samples [N, D] float64)`` returns the same pair
+        ``[N, D]`` in place of the torch Viterbi search (``None``) and :meth:`trellis_values`."""
         flat = y.reshape(-1, self.rotated_dim).double() * math.sqrt(self.rotated_dim)
-        symbols = self.trellis.encode(flat, self.mse_bits)
-        c_hat = self.trellis_values(symbols, torch.float32)
-        return symbols.to(torch.uint8).reshape(y.shape), c_hat.reshape(y.shape)
+        if search is None:
+            symbols = self.trellis.encode(flat, self.mse_bits).to(torch.uint8)
+            c_hat = self.trellis_values(symbols, torch.float32)
+        else:
+            symbols, c_hat = search(self, flat)
+        return symbols.reshape(y.shape), c_hat.reshape(y.shape)
 
     def trellis_values(self, symbols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``c_hat [..., D]`` of stored trellis ``symbols [..., D]``: the levels

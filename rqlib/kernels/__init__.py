@@ -3,7 +3,8 @@
 Public functions (each validates its input, then runs on the backend :func:`select_backend`
 picks):
 
-- :func:`quantize`      a Quantizer's ``quantize``, with bucketize + pack (+ QJL) fused
+- :func:`quantize`      a Quantizer's ``quantize``, with bucketize + pack (+ QJL) fused, or
+  a trellis code's Viterbi search
 - :func:`fused_scores`  attention scores straight from packed keys, [B, QH, Lq, S] float32
 - :func:`attention`     attention over one layer of the compressed cache (its stored streams,
   sink and recent band), fused: one kernel (and a reduce) per layer and step, or a prompt in
@@ -185,8 +186,8 @@ def quantize(quantizer, x: torch.Tensor, *, backend: str | None = None, validate
     Rotation and normalization run in torch with the quantizer's own operations; bucketize,
     packing, residual, sketch, sign packing and the residual norm run in one Triton kernel
     (see :mod:`rqlib.kernels.triton_quantize` for why the rotation stays in torch). A trellis
-    code has no quantize kernel: its encoder, a Viterbi search over ``2^L`` states, runs in
-    torch on ``x``'s device (the attention kernels read its codes).
+    code is searched by its own kernel (:mod:`rqlib.kernels.triton_trellis`, a Viterbi search
+    over ``2^L`` states, one program a vector) and packed in torch.
     ``validate=False`` skips the checks that read values back to the host (finite input, no
     norm overflow).
     """
@@ -198,7 +199,7 @@ def quantize(quantizer, x: torch.Tensor, *, backend: str | None = None, validate
         return reference.quantize(quantizer, x, validate=validate)
     geo.check_quantizer(quantizer, "quantizer")
     if getattr(quantizer, "trellis", None) is not None:
-        return reference.quantize(quantizer, x, validate=validate)
+        return _launch_module().trellis_quantize(quantizer, x, validate=validate)
     return _launch_module().quantize(quantizer, x, validate=validate)
 
 

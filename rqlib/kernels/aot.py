@@ -12,9 +12,9 @@ The kernels must be real ``JITFunction`` objects, so this module refuses to run 
     python -m rqlib.kernels.aot            # one JSON line per (kernel, specialization, arch)
 
 The fused-score, quantize and reduce kernels have every specialization the dispatcher can pick
-listed; the attention kernel compiles one per layer format (an open set, of which
-:func:`attention_layouts` lists a covering one), in the configuration of its format
-(``limits.attention_config``). Triton's JIT also
+listed, the trellis encoder the formats of :data:`TRELLIS_FORMATS`; the attention kernel
+compiles one per layer format (an open set, of which :func:`attention_layouts` lists a covering
+one), in the configuration of its format (``limits.attention_config``). Triton's JIT also
 specializes integer arguments equal to 1 (e.g. q_len = 1 in decode) and pointer/integer
 divisibility by 16 at launch; those variants are the same source with extra hints, and one of
 them (all of group, q_len = 1) is compiled here as a representative.
@@ -82,6 +82,21 @@ SCORES_CODES = (
     {"trellis_state_bits": 0, "trellis_tail_biting": 0},
     {"trellis_state_bits": 10, "trellis_tail_biting": 1},
 )
+#: the trellis encoder's formats: the bits the allocation gives keys (2..5) and values (1..4),
+#: tail-biting, in a trellis of 10 state bits (``tcq``), one read from 0, and the most states
+#: the kernel takes
+TRELLIS_FORMATS = (
+    *({"STATE_BITS": 10, "BITS": bits, "TAIL_BITING": 1} for bits in range(1, 6)),
+    {"STATE_BITS": 10, "BITS": 3, "TAIL_BITING": 0},
+    {"STATE_BITS": geo.MAX_TRELLIS_STATE_BITS, "BITS": 3, "TAIL_BITING": 1},
+)
+TRELLIS_POINTERS = {
+    "x_ptr": "fp64",
+    "table_ptr": "fp64",
+    "levels_ptr": "fp64",
+    "pointers_ptr": "u8",
+    "symbols_ptr": "u8",
+}
 ATTENTION_TILE = {"BLOCK_ROWS": geo.BLOCK_ROWS}  # keys per tile: AttentionConfig.block_s
 #: uint8 buffers of the attention kernel (codes, norm streams, signs, the mask)
 ATTENTION_BYTES = (
@@ -237,6 +252,12 @@ def specializations() -> list[Specialization]:
         Specialization(
             "reduce_kernel", {"BLOCK": geo.REDUCE_BLOCK}, num_warps=geo.REDUCE_NUM_WARPS
         ),
+        *(
+            Specialization(
+                "trellis_encode_kernel", form, TRELLIS_POINTERS, num_warps=geo.TRELLIS_NUM_WARPS
+            )
+            for form in TRELLIS_FORMATS
+        ),
     ]
     return specs + attention_specializations()
 
@@ -248,12 +269,14 @@ def kernel_objects() -> dict:
     from rqlib.kernels.triton_attention import attention_kernel, reduce_kernel
     from rqlib.kernels.triton_quantize import quantize_kernel
     from rqlib.kernels.triton_scores import fused_scores_kernel
+    from rqlib.kernels.triton_trellis import trellis_encode_kernel
 
     return {
         "fused_scores_kernel": fused_scores_kernel,
         "quantize_kernel": quantize_kernel,
         "attention_kernel": attention_kernel,
         "reduce_kernel": reduce_kernel,
+        "trellis_encode_kernel": trellis_encode_kernel,
     }
 
 

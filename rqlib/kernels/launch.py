@@ -20,6 +20,7 @@ from rqlib.kernels import numerics, store
 from rqlib.kernels.triton_attention import attention_kernel, reduce_kernel
 from rqlib.kernels.triton_quantize import quantize_kernel
 from rqlib.kernels.triton_scores import fused_scores_kernel
+from rqlib.kernels.triton_trellis import trellis_encode_kernel
 
 POISON_BUFFERS = False  # tests: fill every output / scratch buffer with garbage before launch
 #: Buffers made once and reused by every launch: one-element stand-ins for pointers a kernel
@@ -562,3 +563,40 @@ def quantize(quantizer, x: torch.Tensor, validate: bool = True):
         residual_norms,
         quantizer,
     )
+
+
+def trellis_quantize(quantizer, x: torch.Tensor, validate: bool = True):
+    """Quantize ``x [..., d]`` with a trellis code: torch normalizes and rotates, the Viterbi
+    kernel searches (:func:`trellis_search`), torch packs (and adds the QJL signs)."""
+    return quantizer.quantize(x, validate, trellis_search=trellis_search)
+
+
+def trellis_search(quantizer, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symbols (uint8) and levels (float32) ``[N, D]`` of the trellis path of least squared
+    error for each row of ``samples [N, D]`` (float64), one program a row, in launches whose
+    back pointers fit :data:`~rqlib.kernels.limits.TRELLIS_SCRATCH_BYTES`."""
+    samples = samples.contiguous()
+    n, dim = samples.shape
+    trellis, bits = quantizer.trellis, quantizer.mse_bits
+    table, levels = numerics.trellis_tables(quantizer, samples.device)
+    symbols = empty((n, dim), torch.uint8, samples.device)
+    values = empty((n, dim), torch.float32, samples.device)
+    row_bytes = dim << (trellis.state_bits - bits)
+    rows = max(1, min(n, geo.TRELLIS_SCRATCH_BYTES // row_bytes))
+    pointers = empty((rows, row_bytes), torch.uint8, samples.device)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        trellis_encode_kernel[(stop - start,)](
+            samples[start:stop],
+            table,
+            levels,
+            pointers,
+            symbols[start:stop],
+            values[start:stop],
+            dim,
+            STATE_BITS=trellis.state_bits,
+            BITS=bits,
+            TAIL_BITING=trellis.tail_biting,
+            num_warps=geo.TRELLIS_NUM_WARPS,
+        )
+    return symbols, values

@@ -55,6 +55,12 @@ ATTENTION_MAX_REGISTERS = 255  # a thread of the attention kernel may take up to
 # registers (one block an SM at four warps); at 128 (two blocks an SM) the presets' layout
 # spills at head_dim 128 (tests/test_kernels_aot.py measures it)
 REDUCE_NUM_WARPS = 4
+#: The trellis encoder kernel (triton_trellis): a program holds the costs of all 2^L states
+#: (at most 2^MAX_TRELLIS_STATE_BITS), in Triton's default warps (untimed); the back pointers
+#: of one launch take at most TRELLIS_SCRATCH_BYTES (a longer input is coded in several).
+MAX_TRELLIS_STATE_BITS = 12
+TRELLIS_NUM_WARPS = 4
+TRELLIS_SCRATCH_BYTES = 1 << 28
 REDUCE_BLOCK = 128  # accumulator columns per reduce program
 SPLIT_WAVES = 2  # a decode step launches enough splits for this many programs per SM
 MAX_SPLITS = 64  # the most splits a decode step cuts its keys into (its partials' size)
@@ -203,15 +209,22 @@ def check_quantizer(quantizer, name: str) -> None:
         raise ValueError(
             f"{name}: qjl_dim {quantizer.qjl_dim} has no kernel; supported: 1..{MAX_QJL_DIM}"
         )
+    trellis = getattr(quantizer, "trellis", None)
+    if trellis is not None and trellis.state_bits > MAX_TRELLIS_STATE_BITS:
+        raise ValueError(
+            f"{name}: tcq={trellis.state_bits} has no encoder kernel; the kernels code a trellis "
+            f"of at most {MAX_TRELLIS_STATE_BITS} state bits (tcq=N, N <= "
+            f"{MAX_TRELLIS_STATE_BITS})"
+        )
 
 
-def trellis_constexprs(quantizer, prefix: str = "") -> dict[str, int]:
-    """The compile-time arguments ``<prefix>trellis_state_bits`` (``L``, 0 without a trellis)
-    and ``<prefix>trellis_tail_biting`` of a quantizer's codes (``None``: exact vectors)."""
+def trellis_constexprs(quantizer) -> dict[str, int]:
+    """The compile-time arguments ``trellis_state_bits`` (``L``, 0 without a trellis) and
+    ``trellis_tail_biting`` of a quantizer's codes (``None``: exact vectors)."""
     trellis = getattr(quantizer, "trellis", None)
     return {
-        f"{prefix}trellis_state_bits": trellis.state_bits if trellis is not None else 0,
-        f"{prefix}trellis_tail_biting": int(trellis is not None and trellis.tail_biting),
+        "trellis_state_bits": trellis.state_bits if trellis is not None else 0,
+        "trellis_tail_biting": int(trellis is not None and trellis.tail_biting),
     }
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "on_kernel_codebook",
     "scaled_rows",
     "table_halves",
+    "trellis_tables",
 ]
 
 #: the dtype of the attention kernel's codebook (and of its tensor-core inputs)
@@ -122,6 +123,20 @@ def kernel_table(quantizer, device, dtype: torch.dtype = CODEBOOK_DTYPE) -> torc
         high = low if len(low) <= 1 << PAIR_MAX_BITS else torch.zeros_like(low[:1])
         entries = low[None, :] | (high[:, None] << width)  # int64 arithmetic wraps, bit-exact
         tables[key] = entries.reshape(-1).to(PAIR_DTYPES[dtype]).to(device)
+    return tables[key]
+
+
+def trellis_tables(quantizer, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trellis encoder kernel's tables for ``quantizer`` on ``device``, float64: the
+    trellis's table (unit variance: what the search compares the scaled samples with) and its
+    levels (``trellis_levels``: what the decoder reads). Made once per quantizer and device."""
+    tables = _TABLES.setdefault(quantizer, {})
+    key = ("trellis", torch.device(device))
+    if key not in tables:
+        tables[key] = (
+            quantizer.trellis.table.to(device).contiguous(),
+            quantizer.trellis_levels.to(device).contiguous(),
+        )
     return tables[key]
 
 

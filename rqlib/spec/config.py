@@ -43,8 +43,8 @@ override it). TOKENs (``name=value`` or the short form):
 ``law=gaussian``       Lloyd-Max codebook law passed to the quantizer
 ``tcq`` / ``tcq=12``   keys and values (not the band) coded by a bitshift trellis of 10 (12)
                        state bits instead of the Lloyd-Max code, at the same bits
-                       (:mod:`rqlib.core.trellis`); the GPU kernels read it, its encoder (a
-                       Viterbi search) runs in torch on the model's device
+                       (:mod:`rqlib.core.trellis`); the GPU kernels read it, and encode it
+                       with a Viterbi search kernel (``tcq=N`` up to 12 there)
 ``tb``                 the trellis read tail-biting: its register starts from the end of its
                        own stream, so that no sample is coded from a part of the table (needs
                        ``tcq``; the same bits, two encoder passes)
@@ -776,7 +776,7 @@ SPEC_TOKENS: dict[str, tuple[str, str]] = {
     "tcq": (
         "tcq | tcq=12",
         "keys and values coded by a bitshift trellis of 10 (12) state bits instead of the "
-        "Lloyd-Max code, same bits (the kernels read it; its encoder runs in torch)",
+        "Lloyd-Max code, same bits (the GPU kernels read and encode it, up to tcq=12)",
     ),
     "tb": (
         "tb",
