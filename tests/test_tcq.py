@@ -62,6 +62,25 @@ def test_the_trellis_quantizer_stores_the_same_bits_and_errs_less(rng, record_st
     record_statistic("-log10 p of the trellis's wins", -math.log10(p_value), 7.0, at_least=True)
 
 
+def test_the_register_read_at_once_is_the_register_walked_step_by_step(rng):
+    """``BitshiftTrellis.states`` at one width reads each step's register from the symbols that
+    end at it; shifting the symbols in one at a time (``_walk``, from 0, or tail-biting from
+    where a first walk ends) gives the same registers, for rows shorter than the register too."""
+    from rqlib.core.trellis import BitshiftTrellis
+
+    cases = itertools.product((3, 9, 10, 12), (1, 2, 3, 5, 8), (False, True), (1, 3, 4, 37, 64))
+    for state_bits, width, tail_biting, length in cases:
+        if width >= state_bits or (tail_biting and length * width < state_bits):
+            continue
+        trellis = BitshiftTrellis(state_bits, seed_of(rng), tail_biting)
+        symbols = torch.randint(0, 1 << width, (5, length), generator=rng)
+        steps = [width] * length
+        walked = trellis._walk(symbols, steps)
+        if tail_biting:
+            walked = trellis._walk(symbols, steps, walked[:, -1])
+        assert torch.equal(trellis.states(symbols, width), walked), (state_bits, width, length)
+
+
 @pytest.mark.randomized
 def test_trellis_codes_read_back_as_they_were_encoded(rng):
     """The values the encoder chose (used for the QJL residual) are the values every reader

@@ -6,7 +6,9 @@ bits in, and the sample is read from a table of ``2^L`` values at the new state:
 
     state_t = ((state_{t-1} << k) | symbol_t) mod 2^L,    x_hat_t = table[state_t]
 
-so decoding is a shift and a lookup per sample (this is the structure of QTIP's trellis). The
+so decoding is a shift and a lookup per sample (this is the structure of QTIP's trellis); at
+one width the register at a step is just the ``ceil(L / k)`` symbols that end there, so every
+sample can be read at once (:meth:`BitshiftTrellis.states`). The
 encoder chooses the whole symbol sequence at once, by the Viterbi algorithm over the ``2^L``
 states: from each state only ``2^k`` successors are reachable, and the best path through them
 is found exactly. Steps may differ in width (one ``k`` per sample): a shift of ``k_t`` bits.
@@ -19,8 +21,8 @@ the whole table, again at no stored bit::
 
     state_{-1} = state_{n-1}    (the last L bits of the stream; needs k_0 + ... + k_{n-1} >= L)
 
-The decoder finds ``state_{n-1}`` by one pass of the shift register (it holds only stream bits
-once ``L`` bits have passed) and then decodes as before. The encoder must choose a path whose
+The decoder reads ``state_{n-1}`` off the stream's last ``L`` bits (one pass of the shift
+register, where the widths change) and then decodes as before. The encoder must choose a path whose
 end agrees with its start: it guesses the register at the seam by coding the sequence turned
 half-way round (its seam then lies in the middle, where the free-start code is good), and then
 runs the Viterbi algorithm from that register, keeping only the ends whose last ``L - k_0``
@@ -109,10 +111,26 @@ class BitshiftTrellis:
     def states(self, symbols: torch.Tensor, bits) -> torch.Tensor:
         """The register ``[N, n]`` (int64) at every step of symbols ``[N, n]`` of ``bits`` bits
         (an int, or one per step): the index into :attr:`table` of each sample. Read from 0,
-        or tail-biting: from the register that a first walk from 0 ends in."""
+        or tail-biting: from the register that a first walk from 0 ends in.
+
+        At one width ``k`` the register at step ``c`` is made of the ``ceil(L / k)`` symbols
+        that end at it, ``sum_j symbol_{c-j} 2^(jk) mod 2^L`` (the symbols before the first
+        read as 0, or tail-biting as those at the end of the row), so every step is read at
+        once, as the kernels read it; widths that change from step to step walk the register."""
         steps = self._steps(bits, symbols.shape[1])
-        states = self._walk(symbols, steps)
-        return self._walk(symbols, steps, states[:, -1]) if self.tail_biting else states
+        if len(set(steps)) > 1:
+            states = self._walk(symbols, steps)
+            return self._walk(symbols, steps, states[:, -1]) if self.tail_biting else states
+        width, length = steps[0], symbols.shape[1]
+        symbols = symbols.long()
+        states = torch.zeros_like(symbols)
+        for lag in range(min(-(-self.state_bits // width), length)):
+            if self.tail_biting:
+                ending = symbols.roll(lag, dims=1)
+            else:
+                ending = torch.nn.functional.pad(symbols[:, : length - lag], (lag, 0))
+            states |= ending << (lag * width)
+        return states & ((1 << self.state_bits) - 1)
 
     def decode(self, symbols: torch.Tensor, bits) -> torch.Tensor:
         """Samples ``[N, n]`` (float64) from symbols ``[N, n]`` of ``bits`` bits (an int, or a
