@@ -42,8 +42,9 @@ import torch
 
 __all__ = ["BitshiftTrellis"]
 
-#: Sequences encoded at once (the back pointers take ``n * chunk * 2^(L - k)`` bytes).
-ENCODE_CHUNK = 4096
+#: Bytes of the costs one encode keeps (``8 * 2^L`` a sample and sequence): the sequences are
+#: encoded in chunks of at most this much.
+ENCODE_BYTES = 1 << 26
 
 
 @functools.cache
@@ -147,8 +148,9 @@ class BitshiftTrellis:
         if not bool(torch.isfinite(x).all()):
             raise ValueError("x must be finite")
         code = self._tail_biting if self.tail_biting else self._viterbi
+        chunk = max(1, ENCODE_BYTES // (8 * x.shape[1] << self.state_bits))
         return torch.cat(
-            [code(chunk, steps) for chunk in x.split(ENCODE_CHUNK)]
+            [code(rows, steps) for rows in x.split(chunk)]
             or [torch.zeros(0, x.shape[1], dtype=torch.long, device=x.device)]
         )
 
@@ -164,21 +166,25 @@ class BitshiftTrellis:
         self, x: torch.Tensor, steps: list[int], start: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The least-error symbols for ``x [N, n]`` from the register 0, or from the registers
-        ``start [N]`` with the ends restricted to those whose last ``L - k_0`` bits match."""
+        ``start [N]`` with the ends restricted to those whose last ``L - k_0`` bits match.
+
+        Forward, a step keeps for each state ``h * 2^k + s`` the cheapest of the states
+        ``top * 2^(L-k) + h`` it follows and adds its squared error; the costs before each step
+        are kept, and the walk back takes, at each step, the cheapest predecessor of the state
+        it stands on (the first of equal ones)."""
         n_seq, device = x.shape[0], x.device
         table = self.table.to(device)
         rows = torch.arange(n_seq, device=device)
         cost = torch.full((n_seq, 1 << self.state_bits), torch.inf, dtype=torch.float64,
                           device=device)  # fmt: skip
         cost[rows, 0 if start is None else start] = 0.0
-        pointers = []
+        before = []  # the costs before each step
         for t, k in enumerate(steps):
             tail, fan = 1 << (self.state_bits - k), 1 << k
-            # state h * fan + s (value table[h * fan + s]) follows the states top * tail + h
-            best, top = cost.view(n_seq, fan, tail).min(dim=1)  # [N, tail]
-            pointers.append(top.to(torch.uint8))
-            error = (x[:, t, None, None] - table.view(tail, fan)[None]).pow(2)
-            cost = (best[:, :, None] + error).view(n_seq, -1)
+            before.append(cost)
+            best = cost.view(n_seq, fan, tail).amin(dim=1)  # [N, tail]
+            error = x[:, t, None, None] - table.view(tail, fan)[None]
+            cost = (best[:, :, None] + error * error).view(n_seq, -1)
         if start is not None:  # the decoder reads the register before step 0 from the end
             seam = (1 << (self.state_bits - steps[0])) - 1
             ends = torch.arange(1 << self.state_bits, device=device)
@@ -187,7 +193,9 @@ class BitshiftTrellis:
         symbols = torch.empty(x.shape, dtype=torch.long, device=device)
         for t in range(len(steps) - 1, -1, -1):
             k = steps[t]
+            tail = 1 << (self.state_bits - k)
             symbols[:, t] = state & ((1 << k) - 1)
-            h = state >> k
-            state = pointers[t][rows, h].long() * (1 << (self.state_bits - k)) + h
+            head = state >> k
+            top = before[t].view(n_seq, 1 << k, tail)[rows, :, head].argmin(dim=1)
+            state = top * tail + head
         return symbols
