@@ -173,6 +173,13 @@ def test_the_viterbi_kernel_finds_the_torch_search_s_path(
     assert torch.equal(values, quantizer.trellis_levels[states].float())
 
 
+def test_a_trellis_codes_a_sequence_of_no_samples():
+    from rqlib.core.trellis import BitshiftTrellis
+
+    empty = torch.zeros(3, 0, dtype=torch.float64)
+    assert BitshiftTrellis(10).encode(empty, 2).shape == (3, 0)
+
+
 def test_the_kernels_refuse_a_trellis_longer_than_the_encoder_holds(rng):
     state_bits = geo.MAX_TRELLIS_STATE_BITS + 1
     quantizer = make_quantizer("turboquant-mse", 64, 3, trellis_state_bits=state_bits)
@@ -182,17 +189,21 @@ def test_the_kernels_refuse_a_trellis_longer_than_the_encoder_holds(rng):
 
 def test_the_gpu_kernels_serve_the_trellis_and_write_the_torch_encoder_s_bytes(rng):
     """A layer coded by a trellis passes the checks a CUDA cache runs, and ``kernels.quantize``
-    on the Triton backend (the encoder kernel) writes the torch encoder's bytes;
+    on the Triton backend (the encoder kernel) writes the torch encoder's bytes: codes and
+    norms, and for prod the QJL signs and residual norms taken from the kernel's levels;
     tests/test_kernels_attention.py checks what the attention kernel reads from them."""
-    for tail_biting in (False, True):
+    methods = ("turboquant-mse", "turboquant-prod")
+    for method, tail_biting in itertools.product(methods, (False, True)):
         quantizer = make_quantizer(
-            "turboquant-mse", 64, 3, draw=seed_of(rng), trellis_state_bits=10,
-            trellis_tail_biting=tail_biting,
+            method, 64, 3, draw=seed_of(rng), trellis_state_bits=10,
+            trellis_tail_biting=tail_biting, qjl_sketch="orthogonal" if "prod" in method else None,
         )  # fmt: skip
         x = torch.randn(2, 5, 64, generator=rng)
         got = kernels.quantize(quantizer, x, backend="triton")
         expected = quantizer.quantize(x)
-        assert torch.equal(got.codes, expected.codes) and torch.equal(got.norms, expected.norms)
+        for field in ("codes", "norms", "qjl_signs", "residual_norms"):
+            a, b = getattr(got, field), getattr(expected, field)
+            assert (a is None and b is None) or torch.equal(a, b), (method, tail_biting, field)
         kernels.check_layer(VectorCodec([ChannelPart(quantizer, None)], 64), None)
     model = tiny_models.tiny_model("llama", seed_of(rng))  # head_dim 64, which kernels serve
     cache = build_cache(model, CompressionConfig.parse("turboquant-mse:k3:v3:tcq:tb"))

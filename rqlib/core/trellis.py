@@ -148,7 +148,7 @@ class BitshiftTrellis:
         if not bool(torch.isfinite(x).all()):
             raise ValueError("x must be finite")
         code = self._tail_biting if self.tail_biting else self._viterbi
-        chunk = max(1, ENCODE_BYTES // (8 * x.shape[1] << self.state_bits))
+        chunk = max(1, ENCODE_BYTES // max(1, 8 * x.shape[1] << self.state_bits))
         return torch.cat(
             [code(rows, steps) for rows in x.split(chunk)]
             or [torch.zeros(0, x.shape[1], dtype=torch.long, device=x.device)]

@@ -55,18 +55,18 @@ ATTENTION_MAX_REGISTERS = 255  # a thread of the attention kernel may take up to
 # registers (one block an SM at four warps); at 128 (two blocks an SM) the presets' layout
 # spills at head_dim 128 (tests/test_kernels_aot.py measures it)
 REDUCE_NUM_WARPS = 4
-#: The trellis encoder kernel (triton_trellis): a program holds the costs of all 2^L states
-#: (at most 2^MAX_TRELLIS_STATE_BITS), in Triton's default warps (untimed); the back pointers
-#: of one launch take at most TRELLIS_SCRATCH_BYTES (a longer input is coded in several).
-MAX_TRELLIS_STATE_BITS = 12
-TRELLIS_NUM_WARPS = 4
-TRELLIS_SCRATCH_BYTES = 1 << 28
 REDUCE_BLOCK = 128  # accumulator columns per reduce program
 SPLIT_WAVES = 2  # a decode step launches enough splits for this many programs per SM
 MAX_SPLITS = 64  # the most splits a decode step cuts its keys into (its partials' size)
 DEFAULT_SPLITS = 4  # splits of a decode step where the SM count is unknown (the interpreter)
 VALUE_BLOCKS = (64, 128, 256)  # accumulator widths per program (next power of two >= 64)
 MAX_VALUE_WIDTH = 512  # wider value vectors have no kernel
+#: The trellis encoder kernel (triton_trellis): a program holds the costs of all 2^L states
+#: (at most 2^MAX_TRELLIS_STATE_BITS), in Triton's default warps (untimed); the back pointers
+#: of one launch take at most TRELLIS_SCRATCH_BYTES (a longer input is coded in several).
+MAX_TRELLIS_STATE_BITS = 12
+TRELLIS_NUM_WARPS = 4
+TRELLIS_SCRATCH_BYTES = 1 << 28
 
 
 @dataclasses.dataclass(frozen=True)
