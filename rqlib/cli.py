@@ -113,6 +113,20 @@ def _at_least(name: str, value: int | None, minimum: int) -> None:
         raise UsageError(f"--{name} must be >= {minimum}, got {value}")
 
 
+def _bench_presets(values: list[str]) -> tuple[str, ...]:
+    """``bench --presets``: preset names, each optionally followed by spec tokens
+    (``rq-3:tcq:tb``), checked here so that a typo fails before any timing."""
+    from rqlib.spec.config import CompressionConfig
+
+    for value in values:
+        if value.split(":")[0] not in PRESETS:
+            known = ", ".join(sorted(PRESETS))
+            raise UsageError(f"--presets: unknown preset {value!r}; known presets: {known}")
+        with _user_input("--presets"):
+            CompressionConfig.parse(f"preset:{value}")
+    return tuple(values)
+
+
 def _command_line(argv: list[str]) -> str:
     return "python -m rqlib " + shlex.join(argv)
 
@@ -799,7 +813,11 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=1024, help="decode-cpu: tokens before")
     parser.add_argument("--steps", type=int, default=32, help="decode-cpu: steps timed")
     parser.add_argument(
-        "--presets", nargs="+", default=["rq-3.5"], help="decode-cpu: presets to time"
+        "--presets",
+        nargs="+",
+        default=None,
+        help="decode-cpu and gpu: presets to time, each optionally with spec tokens "
+        "(rq-3:tcq:tb); decode-cpu's default rq-3.5, gpu's (its generate timings) rq-3",
     )
     parser.add_argument("--threads", type=int, default=None, help="decode-cpu: torch threads")
     parser.add_argument(
@@ -846,17 +864,14 @@ def _run_bench(args: argparse.Namespace) -> int:
             _at_least(name, getattr(args, name), minimum)
         if args.threads is not None:
             _at_least("threads", args.threads, 1)
-        unknown = [name for name in args.presets if name not in PRESETS]
-        if unknown:
-            known = ", ".join(sorted(PRESETS))
-            raise UsageError(f"--presets: unknown preset {unknown[0]!r}; known presets: {known}")
+        presets = _bench_presets(args.presets or ["rq-3.5"])
         _check_output(args.json, args.force)
         with _user_input(f"--model {args.model}"):
             result = decode_cpu(
                 args.model,
                 args.context,
                 args.steps,
-                tuple(args.presets),
+                presets,
                 args.threads,
                 batch=args.batch,
             )
@@ -902,6 +917,7 @@ def _run_bench_gpu(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name} must be positive integers, got {values}")
     if args.prompt is not None:
         _at_least("prompt", args.prompt, 1)
+    presets = None if args.presets is None else _bench_presets(args.presets)
     if not torch.cuda.is_available():
         raise UsageError("bench gpu needs a CUDA device; torch sees none on this machine")
     device = torch.cuda.get_device_name()
@@ -926,6 +942,8 @@ def _run_bench_gpu(args: argparse.Namespace) -> int:
         options["batches"] = args.batches
     if args.prompt is not None:
         options["context"] = args.prompt
+    if presets is not None:
+        options["presets"] = presets
     print(f"bench gpu on {device} at {commit}; report: {path}", flush=True)
     report = gpu_bench.Report(path, header)
     ok = gpu_bench.run(report, steps=args.only or gpu_bench.STEPS, **options)

@@ -1130,6 +1130,22 @@ ROWS = [
         one_line_error(r"--presets: unknown preset 'rq-9'"),
     ),
     Row(
+        "bench decode-cpu: a preset with a token no spec has",
+        cli(
+            "bench",
+            "decode-cpu",
+            "--presets",
+            "rq-3:tcq:bogus",
+            forbid=("rqlib.study.bench.decode_cpu",),
+        ),
+        one_line_error(r"--presets: .*'bogus'"),
+    ),
+    Row(
+        "bench gpu: an unknown preset, refused before the missing GPU",
+        cli("bench", "gpu", "--presets", "rq-9", forbid=("rqlib.study.gpu_bench.run",)),
+        one_line_error(r"--presets: unknown preset 'rq-9'"),
+    ),
+    Row(
         "bench decode-cpu: batch 0",
         cli("bench", "decode-cpu", "--batch", "0", forbid=("rqlib.study.bench.decode_cpu",)),
         one_line_error(r"--batch must be >= 1"),

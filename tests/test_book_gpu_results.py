@@ -201,10 +201,11 @@ def test_the_measurement_at_the_current_kernel_is_preferred(tmp_path):
 def test_a_report_written_by_bench_gpu_reads_back(tmp_path, rng):
     """The kernels step of ``bench gpu`` (its own code, a small geometry, stand-in timers that
     return fresh random times), recorded in its report as the command records it, reads back
-    with the same times and megabytes."""
+    with the same times and megabytes: the first storage's rows under the kernels' names (the
+    ones the chapter's table reads), the trellis's under names that carry its tokens."""
     from rqlib.study import gpu_bench
 
-    drawn = iter(draw(rng, 0.01, 5.0, 4))
+    drawn = iter(draw(rng, 0.01, 5.0, 8))
     small = dict(hidden_size=256, intermediate_size=256, num_attention_heads=8)
     small |= dict(num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
     result = gpu_bench.kernel_timings(
@@ -219,10 +220,16 @@ def test_a_report_written_by_bench_gpu_reads_back(tmp_path, rng):
     report = gpu_bench.Report(tmp_path / "gpu-nvidia-h200-ffffffffffff.json", header)
     report.record("kernels", {"status": "ok", "seconds": 1.0, **result})
     (found,) = gpu_results.load_all(tmp_path)
-    (row,) = result["rows"]
+    row, trellis = result["rows"]
     table = gpu_results.side_by_side(found, 4800.0, 0.0)
     assert table["SDPA fp16"].tolist() == [pytest.approx(row["sdpa_us"])]
     assert table["whole call"].tolist() == [pytest.approx(row["call_us"])]
     assert table["kernels alone"].tolist() == [pytest.approx(row["kernels_us"])]
     assert table["byte model, packed"].tolist() == [pytest.approx(row["packed_mb"] / 4.8)]
     assert found.geometry["kv_heads"] == 2 and "2 KV heads" in gpu_results.geometry_phrase(found)
+    assert found.geometry["spec"] == gpu_bench.KERNEL_SPEC
+    times = found.timings.set_index("kernel").time_us
+    assert times[gpu_results.WRITE] == pytest.approx(row["write_us"])
+    for kernel, column in ((gpu_results.CALL, "call_us"), (gpu_results.WRITE, "write_us")):
+        assert times[f"{kernel} (tcq:tb)"] == pytest.approx(trellis[column])
+    assert len(found.timings) == 8

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from rqlib.cli import main
+from rqlib.hf.codec import CompressedParts
 from rqlib.study import gpu_bench
 
 pytestmark = pytest.mark.interpreter
@@ -61,9 +62,9 @@ def test_the_correctness_step_fails_when_a_kernel_is_off(monkeypatch):
 
 
 def test_kernel_and_generate_timings_run_with_stand_in_timers():
-    """The kernel step builds the presets' layer, times SDPA, the call and the kernels with the
-    given timers and counts the packed bytes; the generate step times the fp16 cache and a
-    preset."""
+    """The kernel step builds a layer of each storage (Lloyd-Max codes, then the trellis), times
+    SDPA, the call, the kernels and a token's write with the given timers and counts the packed
+    bytes; the generate step times the fp16 cache and a preset."""
     calls = []
 
     def timer(fn):
@@ -73,19 +74,48 @@ def test_kernel_and_generate_timings_run_with_stand_in_timers():
     result = gpu_bench.kernel_timings(
         device="cpu", kv_lens=(300,), batches=(2,), timer=timer, kernel_timer=timer, **SMALL
     )
-    [row] = result["rows"]
-    assert (row["batch"], row["kv_len"]) == (2, 300) and len(calls) == 3
-    assert calls[1].shape == calls[0].shape == (2, 8, 1, 128)  # the call and SDPA agree in shape
-    rel = (calls[1].float() - calls[0].float()).abs().max() / calls[0].float().abs().max()
-    assert rel < 0.5  # the same attention, up to 3-bit codes (a wrong head or scale is ~1)
-    # fp16 K and V: 2 x 2 x 2 x 300 x 128 x 2 bytes; packed: 3-bit codes + 11-bit norms each
-    assert row["fp16_mb"] == pytest.approx(2 * 2 * 2 * 300 * 128 * 2 / 1e6)
-    assert row["packed_mb"] == pytest.approx(2 * 2 * 2 * 300 * (128 * 3 + 11) / 8 / 1e6)
+    assert [row["spec"] for row in result["rows"]] == list(gpu_bench.KERNEL_SPECS)
+    assert result["specs"] == list(gpu_bench.KERNEL_SPECS) and len(calls) == 4 * 2
+    for row, (sdpa, call, _, written) in zip(
+        result["rows"], [calls[i : i + 4] for i in range(0, 8, 4)]
+    ):
+        assert (row["batch"], row["kv_len"]) == (2, 300)
+        assert call.shape == sdpa.shape == (2, 8, 1, 128)  # the call and SDPA agree in shape
+        rel = (call.float() - sdpa.float()).abs().max() / sdpa.float().abs().max()
+        assert rel < 0.5  # the same attention, up to 3-bit codes (a wrong head or scale is ~1)
+        assert written[0].shape == (2, 2, 1, 128)  # one new key a sequence and KV head
+        # fp16 K and V: 2 x 2 x 2 x 300 x 128 x 2 bytes; packed: 3-bit codes (or 3-bit trellis
+        # symbols) + 11-bit norms each
+        assert row["fp16_mb"] == pytest.approx(2 * 2 * 2 * 300 * 128 * 2 / 1e6)
+        assert row["packed_mb"] == pytest.approx(2 * 2 * 2 * 300 * (128 * 3 + 11) / 8 / 1e6)
     timed = gpu_bench.end_to_end(
         device="cpu", context=24, batches=(1,), new_tokens=2, layers=2, **SMALL
     )
     assert [row["method"] for row in timed["rows"]] == ["fp16-dynamic", "preset:rq-3"]
     assert all(row["tokens_per_s"] > 0 and math.isfinite(row["prefill_s"]) for row in timed["rows"])
+
+
+def test_the_kernel_step_s_trellis_layer_is_coded_by_the_trellis_and_takes_its_writes():
+    """The second storage of the kernel step is the trellis: its layer's keys and values are
+    trellis codes of what was stored (decoded within the error of 3-bit codes), and a timed
+    write appends one token. With the trellis's token left out of the spec, the first check
+    fails: the storage the step times is the one it names."""
+    spec = gpu_bench.KERNEL_SPECS[1]
+    layer, k, v = gpu_bench.kernel_layer("cpu", 1, 70, spec, **SMALL)
+    for codec, x in ((layer.key_codec, k), (layer.value_codec, v)):
+        quantizer = codec.parts[0].quantizer
+        assert quantizer.trellis is not None and quantizer.trellis.tail_biting
+        stored = codec.decode(CompressedParts((layer.streams["keys" if x is k else "values"]
+                                               .rings[0].read(0, 70),)))  # fmt: skip
+        error = (stored - x.float()).pow(2).sum() / x.float().pow(2).sum()
+        # 3-bit codes of Gaussian vectors: a relative squared error near 0.03 (Lloyd-Max
+        # 0.0345, the trellis less); a wrong table or register gives ~1 or more
+        assert error < 0.1
+    before = layer.length
+    layer.update(*torch.randn(2, 1, 2, 1, 128).half())
+    assert layer.length == before + 1
+    lloyd, _, _ = gpu_bench.kernel_layer("cpu", 1, 70, gpu_bench.KERNEL_SPEC, **SMALL)
+    assert lloyd.key_codec.parts[0].quantizer.trellis is None
 
 
 def test_a_step_past_its_limit_is_recorded_and_the_next_runs(tmp_path, monkeypatch):

@@ -3,8 +3,11 @@
 Chapter 3 shows what a GPU measured; nothing in it is typed. Two kinds of file hold timings:
 
 - ``gpu-*.json``, written by ``python -m rqlib bench gpu``: a header (``device``, ``commit``,
-  ``versions``) and its steps; the ``kernels`` step holds one row per (batch, context) with fp16
-  SDPA, the whole attention call and its kernels alone, in µs, with the megabytes each reads.
+  ``versions``) and its steps; the ``kernels`` step holds one row per (storage, batch, context)
+  with fp16 SDPA, the whole attention call, its kernels alone and the write of one token, in
+  µs, with the megabytes each reads. The rows of the report's first storage (``spec``) keep the
+  kernels' names; those of another storage (a trellis) carry the spec tokens it adds
+  (:func:`kernel_name`).
   A file whose ``steps`` hold a flat list ``timings`` of ``{kv_len, batch, kernel, time_us,
   mb_read}`` rows is read too.
 - ``gpu-*.txt``, the printed output of an earlier ``python -m rqlib bench kernels`` run and of a
@@ -30,12 +33,14 @@ __all__ = [
     "KERNELS_ALONE",
     "KERNEL_PATH",
     "SDPA",
+    "WRITE",
     "Choice",
     "Measurement",
     "choose",
     "findings",
     "geometry_phrase",
     "host_sentence",
+    "kernel_name",
     "kernel_unchanged",
     "kernels_alone",
     "load_all",
@@ -53,11 +58,15 @@ TIMING_COLUMNS = ("batch", "kv_len", "kernel", "time_us", "mb_read")
 #: whole attention call over packed keys and values, and its two kernels alone.
 SDPA, CALL = "SDPA fp16", "attention K, V packed"
 KERNELS_ALONE = "attention + reduce kernels alone"
+#: The write of one decode token into the cache (its encoder, norms and band), reading nothing
+#: of the stored context.
+WRITE = "write one token"
 #: Their columns in a ``bench gpu`` report's ``kernels`` step: (time, megabytes read).
 JSON_KERNELS = {
     SDPA: ("sdpa_us", "fp16_mb"),
     CALL: ("call_us", "packed_mb"),
     KERNELS_ALONE: ("kernels_us", "packed_mb"),
+    WRITE: ("write_us", None),
 }
 
 
@@ -211,6 +220,16 @@ def per_step(profile: dict) -> dict:
 
 
 # ---- the JSON report -----------------------------------------------------------------------------
+def kernel_name(kernel: str, spec: str | None, first: str | None) -> str:
+    """The name of ``kernel``'s row for the storage ``spec`` in a report whose first storage is
+    ``first``: the kernel's own name for that storage (or a row without one), and otherwise the
+    name with the spec tokens the storage adds (``"attention K, V packed (tcq:tb)"``)."""
+    if spec is None or spec == first:
+        return kernel
+    added = spec.removeprefix(f"{first}:") if first else spec
+    return f"{kernel} ({added})"
+
+
 def parse_json(data: dict, source: str = "<json>") -> Measurement:
     """A measurement from a ``bench gpu`` report (or a report whose ``steps`` hold a flat
     ``timings`` list). A report whose ``kernels`` step did not finish has no timings and the
@@ -225,12 +244,15 @@ def parse_json(data: dict, source: str = "<json>") -> Measurement:
         rows = [{k: row[k] for k in TIMING_COLUMNS} for row in steps["timings"]]
     geometry = {}
     kernels = steps.get("kernels") or {}
+    first = kernels.get("spec")
     for row in kernels.get("rows", []):
         for name, (column, mb) in JSON_KERNELS.items():
             if column in row:
                 rows.append(
-                    {"batch": row["batch"], "kv_len": row["kv_len"], "kernel": name}
-                    | {"time_us": float(row[column]), "mb_read": float(row[mb])}
+                    {"batch": row["batch"], "kv_len": row["kv_len"]}
+                    | {"kernel": kernel_name(name, row.get("spec"), first)}
+                    | {"time_us": float(row[column])}
+                    | {"mb_read": float("nan") if mb is None else float(row[mb])}
                 )
         geometry = {
             k: kernels[k] for k in ("q_heads", "kv_heads", "head_dim", "spec") if k in kernels

@@ -10,10 +10,13 @@ ones on disk):
    attention of a prompt and of a decode step (relative error).
 2. ``generate``: ``generate()`` through the kernels against the torch path, on the tiny Llama,
    Gemma 3 and Qwen2 models, with every preset: the same tokens, and the largest logit gap.
-3. ``kernels``: one decode step's attention against fp16 SDPA at each context and batch: the
-   whole call (``rqlib.kernels.attention``, host work included) timed with
-   ``triton.testing.do_bench`` (the L2 cache cleared between repetitions), and the GPU time of
-   the attention and reduce kernels alone (``torch.profiler``), with the bytes each must read.
+3. ``kernels``: one decode step against fp16 SDPA at each context and batch, for each storage of
+   ``KERNEL_SPECS`` (Lloyd-Max codes, and the same bits as a tail-biting trellis): the whole
+   attention call (``rqlib.kernels.attention``, host work included) timed with
+   ``triton.testing.do_bench`` (the L2 cache cleared between repetitions), the GPU time of the
+   attention and reduce kernels alone (``torch.profiler``), with the bytes each must read, and
+   the write of the step's new token into the cache (``layer.update``: its encoder, norms and
+   band), timed the same way.
 4. ``end_to_end``: ``generate()`` tokens per second and prefill time of a random-weight model of
    Llama-3-8B's geometry (32 layers, fp16, built from a config), the fp16 ``DynamicCache``
    against the presets, at each batch, with a long prompt.
@@ -49,11 +52,11 @@ from rqlib.spec.presets import PRESETS
 from rqlib.study import tiny
 
 STEPS = ("correctness", "generate", "kernels", "end_to_end", "startup")
-#: seconds each step may take before it is stopped (8 minutes in all)
+#: seconds each step may take before it is stopped (9 minutes 40 seconds in all)
 STEP_LIMITS = {
     "correctness": 60,
-    "generate": 90,
-    "kernels": 120,
+    "generate": 110,
+    "kernels": 200,
     "end_to_end": 150,
     "startup": 60,
 }
@@ -75,6 +78,15 @@ LLAMA_8B = dict(
 #: budgets allocate 2 to 4 bits a layer), without the calibrated key means, and their recent
 #: band with its tokens in the main codes too (``twice``, as the timings in GPU.md were taken)
 KERNEL_SPEC = "turboquant-mse:b3:sink1:win64:wb=8:nc:nm=6"
+#: the storages the kernel step times: those codes, and the same bits coded by a tail-biting
+#: trellis (read through its shift register, written by the Viterbi kernel)
+KERNEL_SPECS = (KERNEL_SPEC, f"{KERNEL_SPEC}:tcq:tb")
+#: tokens reserved past the context for the write timings, each of whose calls appends one
+WRITE_RESERVE = 4096
+#: what the correctness and generate steps check besides the presets: rq-3's bits coded by the
+#: tail-biting trellis, whose encoder is a kernel of its own
+TRELLIS_PRESET = "rq-3:tcq:tb"
+CHECKED = (*PRESETS, TRELLIS_PRESET)
 #: the relative error of the attention on the device against the torch path above which the
 #: correctness step fails: the kernel's fp16 codebook and the fp16 parts of its tensor-core
 #: products keep outputs within about 1e-5 of the torch path (tests/test_kernels_attention.py);
@@ -129,7 +141,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 # ---- 1. correctness --------------------------------------------------------------------------
 def correctness(
-    device: str = "cuda", draw: int = 0, presets=tuple(PRESETS), batch: int = 3, prompt: int = 77
+    device: str = "cuda", draw: int = 0, presets=CHECKED, batch: int = 3, prompt: int = 77
 ) -> dict:
     """Every kernel against the torch path, per preset, on each distinct layer format of the
     preset resolved for the tiny Llama: a left-padded batch of ``batch`` with a prompt of
@@ -196,7 +208,7 @@ def correctness(
         ok &= passed
         results[name] = {**worst, "layer_formats": len(seen), "ok": passed}
         say(
-            f"  {name:<8} formats {len(seen)}  codes equal {worst['quantize_codes_equal']}  "
+            f"  {name:<11} formats {len(seen)}  codes equal {worst['quantize_codes_equal']}  "
             f"scores {worst['scores']:.1e}  prompt {worst['prompt']:.1e}  "
             f"decode {worst['decode']:.1e}  {'ok' if passed else 'FAILED'}"
         )
@@ -211,7 +223,7 @@ def generate_equivalence(
     model with each preset: whether the tokens are the same, and the largest logit gap."""
     from rqlib.hf import compress
 
-    presets = tuple(PRESETS) if presets is None else presets
+    presets = CHECKED if presets is None else presets
     rows, ok = [], True
     for kind in kinds:
         for name in presets:
@@ -237,7 +249,7 @@ def generate_equivalence(
             )
             ok &= same
             rows.append({"model": kind, "preset": name, "tokens_equal": same, "max_logit_gap": gap})
-            say(f"  {kind:<7} {name:<8} tokens equal {same}  largest logit gap {gap:.1e}")
+            say(f"  {kind:<7} {name:<11} tokens equal {same}  largest logit gap {gap:.1e}")
     return {"runs": rows, "ok": ok}
 
 
@@ -245,22 +257,25 @@ def generate_equivalence(
 def kernel_layer(device: str, batch: int, kv_len: int, spec: str = KERNEL_SPEC, **geometry):
     """Layer 0 of a cache in ``spec`` for a one-layer model of Llama-3-8B's geometry (or
     ``geometry`` overrides), holding ``kv_len`` random fp16 keys and values for each of
-    ``batch`` sequences (stored on the torch path, in prompt chunks), and those fp16 tensors."""
+    ``batch`` sequences (stored in prompt chunks, with room for ``WRITE_RESERVE`` more tokens),
+    and those fp16 tensors. The codes are written on the torch path, or for a trellis by the
+    layer's own backend: the torch search of a trellis takes minutes at these lengths."""
     from rqlib.hf.integration import build_cache
     from rqlib.spec.config import CompressionConfig
 
     model = llama_8b_geometry(device, layers=1, **geometry)
-    layer = build_cache(model, CompressionConfig.parse(spec)).layers[0]
+    config = CompressionConfig.parse(spec)
+    layer = build_cache(model, config).layers[0]
     layer.active = True
     d, kv_heads = model.config.head_dim, model.config.num_key_value_heads
     generator = torch.Generator(device=device).manual_seed(kv_len)
     shape = (batch, kv_heads, kv_len, d)
     k = torch.randn(shape, device=device, generator=generator).half()
     v = torch.randn(shape, device=device, generator=generator).half()
-    layer.backend = "torch"
+    layer.backend = "auto" if config.trellis_state_bits else "torch"
     for start in range(0, kv_len, 8192):
         layer.update(k[:, :, start : start + 8192], v[:, :, start : start + 8192])
-        layer.reserve(kv_len + 1)
+        layer.reserve(kv_len + WRITE_RESERVE)
     layer.backend = "auto"
     return layer, k, v
 
@@ -288,13 +303,15 @@ def kernel_timings(
     device: str = "cuda",
     kv_lens=KV_LENS,
     batches=BATCHES,
+    specs=KERNEL_SPECS,
     timer: Callable[[Callable[[], object]], float] | None = None,
     kernel_timer: Callable[[Callable[[], object]], float] | None = None,
     **geometry,
 ) -> dict:
-    """Per (batch, kv_len): fp16 SDPA, and the packed cache's whole call and kernels, in µs,
-    with the bytes they must read. ``timer(fn) -> ms`` defaults to ``triton.testing.do_bench``
-    (L2 cleared between repetitions), ``kernel_timer(fn) -> µs`` to :func:`kernel_gpu_us`."""
+    """Per storage of ``specs``, batch and kv_len: fp16 SDPA, and the packed cache's whole
+    call, kernels and one token's write, in µs, with the bytes they must read. ``timer(fn) ->
+    ms`` defaults to ``triton.testing.do_bench`` (L2 cleared between repetitions),
+    ``kernel_timer(fn) -> µs`` to :func:`kernel_gpu_us`."""
     if timer is None:
         import triton.testing
 
@@ -303,23 +320,26 @@ def kernel_timings(
 
     kernel_timer = kernel_gpu_us if kernel_timer is None else kernel_timer
     rows = []
-    say(f"  {'batch':>5} {'kv_len':>7} {'SDPA us':>9} {'call us':>9} {'kernels us':>10} "
-        f"{'vs SDPA':>8} {'GB/s':>7}")  # fmt: skip
-    for batch in batches:
-        for kv_len in kv_lens:
-            row = kernel_row(device, batch, kv_len, timer, kernel_timer, **geometry)
-            rows.append(row)
-            gbps = 1e3 * row["packed_mb"] / max(row["kernels_us"], 1e-9)  # MB per µs: TB/s
-            say(
-                f"  {batch:>5} {kv_len:>7} {row['sdpa_us']:>9.1f} {row['call_us']:>9.1f} "
-                f"{row['kernels_us']:>10.1f} {row['sdpa_us'] / row['call_us']:>7.2f}x "
-                f"{gbps:>7.0f}"
-            )
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    for spec in specs:
+        say(f"  {spec}")
+        say(f"  {'batch':>5} {'kv_len':>7} {'SDPA us':>9} {'call us':>9} {'kernels us':>10} "
+            f"{'vs SDPA':>8} {'GB/s':>7} {'write us':>9}")  # fmt: skip
+        for batch in batches:
+            for kv_len in kv_lens:
+                row = kernel_row(device, batch, kv_len, timer, kernel_timer, spec, **geometry)
+                rows.append(row)
+                gbps = 1e3 * row["packed_mb"] / max(row["kernels_us"], 1e-9)  # MB per µs: TB/s
+                say(
+                    f"  {batch:>5} {kv_len:>7} {row['sdpa_us']:>9.1f} {row['call_us']:>9.1f} "
+                    f"{row['kernels_us']:>10.1f} {row['sdpa_us'] / row['call_us']:>7.2f}x "
+                    f"{gbps:>7.0f} {row['write_us']:>9.1f}"
+                )
+                if device == "cuda":
+                    torch.cuda.empty_cache()
     geometry = {**LLAMA_8B, **geometry}
     return {
-        "spec": KERNEL_SPEC,
+        "spec": specs[0],
+        "specs": list(specs),
         "q_heads": geometry["num_attention_heads"],
         "kv_heads": geometry["num_key_value_heads"],
         "head_dim": geometry["head_dim"],
@@ -327,11 +347,13 @@ def kernel_timings(
     }
 
 
-def kernel_row(device, batch, kv_len, timer, kernel_timer, **geometry) -> dict:
-    """One row of :func:`kernel_timings`."""
+def kernel_row(device, batch, kv_len, timer, kernel_timer, spec=KERNEL_SPEC, **geometry) -> dict:
+    """One row of :func:`kernel_timings`: the attention of a decode step over ``kv_len`` tokens
+    stored as ``spec``, then the write of new tokens (each timed call appends one, within the
+    room :func:`kernel_layer` reserved)."""
     from rqlib.study.bench import decode_step
 
-    layer, k, v = kernel_layer(device, batch, kv_len, **geometry)
+    layer, k, v = kernel_layer(device, batch, kv_len, spec, **geometry)
     kv_heads, d = k.shape[1], k.shape[3]
     q_heads = {**LLAMA_8B, **geometry}["num_attention_heads"]
     q = torch.randn(batch, q_heads, 1, d, device=device).half()
@@ -345,14 +367,21 @@ def kernel_row(device, batch, kv_len, timer, kernel_timer, **geometry) -> dict:
     def call():
         return decode_step(layer, q, scale)
 
+    new_key, new_value = torch.randn(2, batch, kv_heads, 1, d, device=device).half()
+
+    def write():
+        return layer.update(new_key, new_value)
+
     main = (layer.streams["keys"], layer.streams["values"])
     per_token = sum(ring.bytes_per_token() for stream in main for ring in stream.rings)
-    return {
+    return {  # in this order: the writes come last, after the attention is timed at kv_len
+        "spec": spec,
         "batch": batch,
         "kv_len": kv_len,
         "sdpa_us": 1e3 * timer(sdpa),
         "call_us": 1e3 * timer(call),
         "kernels_us": kernel_timer(call),
+        "write_us": 1e3 * timer(write),
         "fp16_mb": 2 * k.numel() * 2 / 1e6,
         "packed_mb": per_token * batch * kv_heads * kv_len / 1e6,
     }
@@ -488,8 +517,8 @@ def startup(device: str = "cuda", layers: int = 4, preset: str = "rq-3", cache_d
 def run(report: Report, steps=STEPS, limits=None, **options) -> bool:
     """Run ``steps`` on CUDA in order, each under its limit (``STEP_LIMITS``, overridden by
     ``limits``), recording each in ``report``; ``options`` go to the steps that take them
-    (``kv_lens``, ``batches``, ``context``). Returns whether every check passed and every step
-    finished."""
+    (``kv_lens``, ``batches``, ``context``, ``presets``). Returns whether every check passed
+    and every step finished."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench gpu needs a CUDA device; none is visible to torch")
     unknown = sorted(set(steps) - set(STEPS))
@@ -503,7 +532,9 @@ def run(report: Report, steps=STEPS, limits=None, **options) -> bool:
             kv_lens=options.get("kv_lens", KV_LENS), batches=options.get("batches", BATCHES)
         ),
         "end_to_end": lambda: end_to_end(
-            context=options.get("context", 32768), batches=options.get("batches", BATCHES)
+            context=options.get("context", 32768),
+            batches=options.get("batches", BATCHES),
+            presets=options.get("presets", ("rq-3",)),
         ),
         "startup": lambda: startup(),
     }
