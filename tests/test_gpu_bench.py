@@ -131,6 +131,36 @@ def test_a_step_past_its_limit_is_recorded_and_the_next_runs(tmp_path, monkeypat
     assert data["device"] == "test" and data["steps"]["correctness"]["status"] == "ok"
 
 
+def test_a_timing_step_stopped_by_its_limit_keeps_the_rows_it_timed(tmp_path, monkeypatch):
+    """The kernels step times rows one after another; stopped by its limit after the first, the
+    report holds that row with the step's status, the book reads it and says the step did not
+    finish, and the next step still runs. Without the rows kept, the report would have none."""
+    from rqlib.book import gpu_results
+
+    row = {"spec": gpu_bench.KERNEL_SPEC, "batch": 1, "kv_len": 4096, "sdpa_us": 50.0}
+    row |= {"call_us": 900.0, "kernels_us": 200.0, "write_us": 80.0}
+    row |= {"fp16_mb": 134.2, "packed_mb": 35.5}
+
+    def first_row_then_the_limit(rows, **options):
+        rows.append(row)
+        raise gpu_bench.StepTimeout("stopped after 200 s")
+
+    monkeypatch.setattr(gpu_bench, "kernel_timings", first_row_then_the_limit)
+    monkeypatch.setattr(gpu_bench, "startup", lambda: {"cold": {}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    path = tmp_path / "gpu-nvidia-h200-ffffffffffff.json"
+    header = {"device": "NVIDIA H200", "commit": "f" * 40}
+    assert not gpu_bench.run(gpu_bench.Report(path, header), steps=("kernels", "startup"))
+    steps = json.loads(path.read_text())["steps"]
+    assert steps["kernels"]["status"] == "timeout" and steps["kernels"]["rows"] == [row]
+    assert steps["startup"]["status"] == "ok"
+    (found,) = gpu_results.load_all(tmp_path)
+    assert found.status.startswith("timeout") and len(found.timings) == 4
+    choice = gpu_results.choose([found], tmp_path)
+    assert "did not finish" in choice.sentence and "before it stopped" in choice.sentence
+
+
 def test_bench_gpu_refuses_without_cuda(capsys):
     assert not torch.cuda.is_available()
     assert main(["bench", "gpu"]) == 2

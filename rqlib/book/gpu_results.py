@@ -232,8 +232,9 @@ def kernel_name(kernel: str, spec: str | None, first: str | None) -> str:
 
 def parse_json(data: dict, source: str = "<json>") -> Measurement:
     """A measurement from a ``bench gpu`` report (or a report whose ``steps`` hold a flat
-    ``timings`` list). A report whose ``kernels`` step did not finish has no timings and the
-    step's ``status`` (and error). Raises ``ValueError`` naming ``source`` without a device
+    ``timings`` list). A report whose ``kernels`` step did not finish has the step's ``status``
+    (and error), and the rows it timed before it stopped (none if it stopped before the
+    first). Raises ``ValueError`` naming ``source`` without a device
     and a commit."""
     for key in ("device", "commit"):
         if not isinstance(data.get(key), str):
@@ -257,8 +258,8 @@ def parse_json(data: dict, source: str = "<json>") -> Measurement:
         geometry = {
             k: kernels[k] for k in ("q_heads", "kv_heads", "head_dim", "spec") if k in kernels
         }
-    status = "ok" if rows else str(kernels.get("status") or "no kernels step")
-    if not rows and kernels.get("error"):
+    status = str(kernels.get("status") or ("ok" if rows else "no kernels step"))
+    if status != "ok" and kernels.get("error"):
         status += f": {kernels['error']}"
     timings = pd.DataFrame(rows, columns=list(TIMING_COLUMNS))
     return Measurement(
@@ -344,10 +345,17 @@ def choose(measurements: list[Measurement], repo: Path | str) -> Choice:
         f"(its kernels step: {m.status})."
         for m in untimed
     )
+    if chosen.status != "ok":
+        unfinished += (
+            f" Its kernels step did not finish ({chosen.status}): the timings are the rows it "
+            "timed before it stopped."
+        )
     versions = f" ({_stack(chosen)})" if {"torch", "triton"} <= set(chosen.versions) else ""
     where = f"measured on an {chosen.device} at commit {chosen.short_commit}{versions}"
     if current:
-        return Choice(chosen, True, f"These timings were {where}, with the current kernel.")
+        return Choice(
+            chosen, True, f"These timings were {where}, with the current kernel.{unfinished}"
+        )
     if states[id(chosen)] is False:
         when = (
             f"before the changes that made the present kernel (`git diff {chosen.short_commit}"

@@ -2,7 +2,7 @@
 
 Five steps, in order, each under its own time limit, each printing as it goes and adding its
 results to one JSON report as soon as it ends (so a step that runs out of time leaves the earlier
-ones on disk):
+ones on disk, and the timing steps keep the rows they finished before it stopped):
 
 1. ``correctness``: every kernel against the torch path on the device, at irregular shapes
    (a batch of 3 with a prompt of 77 tokens and a decode step after it), for every layer format
@@ -306,12 +306,14 @@ def kernel_timings(
     specs=KERNEL_SPECS,
     timer: Callable[[Callable[[], object]], float] | None = None,
     kernel_timer: Callable[[Callable[[], object]], float] | None = None,
+    rows: list | None = None,
     **geometry,
 ) -> dict:
     """Per storage of ``specs``, batch and kv_len: fp16 SDPA, and the packed cache's whole
     call, kernels and one token's write, in µs, with the bytes they must read. ``timer(fn) ->
     ms`` defaults to ``triton.testing.do_bench`` (L2 cleared between repetitions),
-    ``kernel_timer(fn) -> µs`` to :func:`kernel_gpu_us`."""
+    ``kernel_timer(fn) -> µs`` to :func:`kernel_gpu_us`. Each row is appended to ``rows`` (a
+    new list by default) as it is timed."""
     if timer is None:
         import triton.testing
 
@@ -319,7 +321,7 @@ def kernel_timings(
             return triton.testing.do_bench(fn, warmup=10, rep=50)
 
     kernel_timer = kernel_gpu_us if kernel_timer is None else kernel_timer
-    rows = []
+    rows = [] if rows is None else rows
     for spec in specs:
         say(f"  {spec}")
         say(f"  {'batch':>5} {'kv_len':>7} {'SDPA us':>9} {'call us':>9} {'kernels us':>10} "
@@ -437,17 +439,19 @@ def end_to_end(
     new_tokens: int = 16,
     layers: int | None = None,
     presets=("rq-3",),
+    rows: list | None = None,
     **geometry,
 ) -> dict:
     """``generate`` timings of the fp16 ``DynamicCache`` and the presets on Llama-3-8B's
-    geometry (:func:`llama_8b_geometry`) with a ``context``-token prompt at each batch."""
+    geometry (:func:`llama_8b_geometry`) with a ``context``-token prompt at each batch, each
+    row appended to ``rows`` (a new list by default) as it is timed."""
     from transformers import DynamicCache
 
     from rqlib.hf import compress
 
     model = llama_8b_geometry(device, layers, **geometry)
     configs = {name: tiny.preset_config(name, model) for name in presets}
-    rows = []
+    rows = [] if rows is None else rows
     for batch in batches:
         generator = torch.Generator().manual_seed(batch)
         vocab = model.config.vocab_size
@@ -516,7 +520,8 @@ def startup(device: str = "cuda", layers: int = 4, preset: str = "rq-3", cache_d
 # ---- the run ---------------------------------------------------------------------------------
 def run(report: Report, steps=STEPS, limits=None, **options) -> bool:
     """Run ``steps`` on CUDA in order, each under its limit (``STEP_LIMITS``, overridden by
-    ``limits``), recording each in ``report``; ``options`` go to the steps that take them
+    ``limits``), recording each in ``report`` (a timing step that stops early with the rows it
+    finished); ``options`` go to the steps that take them
     (``kv_lens``, ``batches``, ``context``, ``presets``). Returns whether every check passed
     and every step finished."""
     if not torch.cuda.is_available():
@@ -525,16 +530,20 @@ def run(report: Report, steps=STEPS, limits=None, **options) -> bool:
     if unknown:
         raise ValueError(f"unknown steps {unknown}; the steps are {', '.join(STEPS)}")
     limits = {**STEP_LIMITS, **(limits or {})}
+    finished = {"kernels": [], "end_to_end": []}  # the rows a timing step has timed so far
     functions = {
         "correctness": lambda: correctness(),
         "generate": lambda: generate_equivalence(),
         "kernels": lambda: kernel_timings(
-            kv_lens=options.get("kv_lens", KV_LENS), batches=options.get("batches", BATCHES)
+            kv_lens=options.get("kv_lens", KV_LENS),
+            batches=options.get("batches", BATCHES),
+            rows=finished["kernels"],
         ),
         "end_to_end": lambda: end_to_end(
             context=options.get("context", 32768),
             batches=options.get("batches", BATCHES),
             presets=options.get("presets", ("rq-3",)),
+            rows=finished["end_to_end"],
         ),
         "startup": lambda: startup(),
     }
@@ -551,6 +560,8 @@ def run(report: Report, steps=STEPS, limits=None, **options) -> bool:
         except Exception as error:  # noqa: BLE001 - recorded, and the next step still runs
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
             result, status = {"error": f"{type(error).__name__}: {first}"}, "error"
+        if status in ("timeout", "error") and finished.get(step):
+            result["rows"] = finished[step]  # what it timed before it stopped
         seconds = time.perf_counter() - start
         everything_ok &= status == "ok"
         report.record(step, {"status": status, "seconds": seconds, **result})
