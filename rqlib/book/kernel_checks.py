@@ -128,7 +128,7 @@ def bench_arguments(
         model="smollm2-135m",
         context=1024,
         steps=32,
-        presets=["rq-3.5"],
+        presets=None,
         threads=None,
         json=None,
         force=False,
