@@ -118,12 +118,9 @@ def _bench_presets(values: list[str]) -> tuple[str, ...]:
     (``rq-3:tcq:tb``), checked here so that a typo fails before any timing."""
     from rqlib.spec.config import CompressionConfig
 
-    for value in values:
-        if value.split(":")[0] not in PRESETS:
-            known = ", ".join(sorted(PRESETS))
-            raise UsageError(f"--presets: unknown preset {value!r}; known presets: {known}")
-        with _user_input("--presets"):
-            CompressionConfig.parse(f"preset:{value}")
+    with _user_input("--presets"):
+        for value in values:
+            CompressionConfig.parse(f"preset:{value}")  # names an unknown preset or token
     return tuple(values)
 
 
